@@ -1,0 +1,22 @@
+"""Shared rich consoles and formatting for CLI output."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+
+out = Console()
+err = Console(stderr=True)
+
+
+def human_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def when(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp)) if timestamp else "-"

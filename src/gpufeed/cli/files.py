@@ -1,0 +1,60 @@
+"""`gpufeed ls|stat|cat|du`: answered from the manifest; only `cat` reads bytes."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from gpufeed.cli.console import human_bytes, out, when
+from gpufeed.client import Client
+
+CAT_CHUNK = 8 << 20
+
+
+def ls(
+    path: str = typer.Argument("/", help="Namespace path."),
+    long: bool = typer.Option(False, "-l", "--long", help="Show size, modification time and version."),
+) -> None:
+    """List a directory (from the manifest; the source is not contacted)."""
+    for item in Client().ls(path):
+        name = item.path.rsplit("/", 1)[-1] + ("/" if item.is_dir else "")
+        if long:
+            size = "-" if item.is_dir else str(item.size)
+            out.print(f"{size:>12}  {when(item.mtime):19}  {name}", markup=False, highlight=False)
+        else:
+            out.print(name, markup=False, highlight=False)
+
+
+def stat(path: str = typer.Argument(..., help="Namespace path.")) -> None:
+    """Show size, type, modification time and version."""
+    item = Client().stat(path)
+    out.print(f"path:     {item.path}", markup=False, highlight=False)
+    out.print(f"type:     {'directory' if item.is_dir else 'file'}", highlight=False)
+    if not item.is_dir:
+        out.print(f"size:     {item.size}", highlight=False)
+        out.print(f"modified: {when(item.mtime)}", highlight=False)
+        out.print(f"version:  {item.version}", markup=False, highlight=False)
+
+
+def cat(path: str = typer.Argument(..., help="Namespace path of a file.")) -> None:
+    """Write a file's bytes to standard output."""
+    with Client().open(path) as f:
+        sink = sys.stdout.buffer
+        while chunk := f.read(CAT_CHUNK):
+            sink.write(chunk)
+        sink.flush()
+
+
+def du(path: str = typer.Argument("/", help="Namespace path.")) -> None:
+    """Total size and file count under a path."""
+    files = total = 0
+    for item in Client().walk(path):
+        files += 1
+        total += item.size
+    out.print(f"{total}\t{human_bytes(total)}\t{files} files\t{path}", markup=False, highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    for command in (ls, stat, cat, du):
+        app.command(command.__name__)(command)

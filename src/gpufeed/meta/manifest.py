@@ -1,0 +1,98 @@
+"""Turn a source listing into a manifest generation, and count what changed between two.
+
+Engine-independent: it only uses the `MetaEngine` primitives, so SQLite and Redis write and
+diff manifests the same way. Memory stays bounded by the number of directories, not objects.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+
+from gpufeed.meta.base import Entry, MetaEngine, Mount
+from gpufeed.sources.base import ObjectInfo, Source
+
+WRITE_BATCH = 10_000
+
+
+@dataclass
+class ManifestStats:
+    """What a listing produced, and against the previous manifest what it added/changed/removed."""
+
+    files: int = 0
+    bytes: int = 0
+    skipped: int = 0
+    added: int = 0
+    changed: int = 0
+    removed: int = 0
+
+
+def _usable(key: str) -> bool:
+    """Keys a namespace path can name; '..', '.' and empty components could never be reached."""
+    return bool(key) and all(part not in ("", ".", "..") for part in key.split("/")) and "\0" not in key
+
+
+def entries_from_listing(batches: Iterable[list[ObjectInfo]], stats: ManifestStats) -> Iterator[list[Entry]]:
+    """File entries plus one entry per implied directory, in batches of about WRITE_BATCH."""
+    seen_dirs: set[str] = set()
+    out: list[Entry] = []
+    for batch in batches:
+        for info in batch:
+            if not _usable(info.key):
+                stats.skipped += 1
+                continue
+            parent, _, name = info.key.rpartition("/")
+            directory = parent
+            while directory and directory not in seen_dirs:
+                seen_dirs.add(directory)
+                grand, _, base = directory.rpartition("/")
+                out.append(Entry(grand, base, True))
+                directory = grand
+            out.append(Entry(parent, name, False, info.size, info.mtime, info.etag))
+            stats.files += 1
+            stats.bytes += info.size
+        if len(out) >= WRITE_BATCH:
+            yield out
+            out = []
+    if out:
+        yield out
+
+
+def count_changes(old: Iterator[Entry], new: Iterator[Entry], stats: ManifestStats) -> None:
+    """Merge-join two generations ordered by (parent, name)."""
+    sentinel = Entry("\U0010ffff", "", False)
+    a, b = next(old, sentinel), next(new, sentinel)
+    while a is not sentinel or b is not sentinel:
+        ka, kb = (a.parent, a.name), (b.parent, b.name)
+        if ka == kb:
+            if not a.same_version(b):
+                stats.changed += 1
+            a, b = next(old, sentinel), next(new, sentinel)
+        elif a is not sentinel and (b is sentinel or ka < kb):
+            stats.removed += 1
+            a = next(old, sentinel)
+        else:
+            stats.added += 1
+            b = next(new, sentinel)
+
+
+def write_manifest(engine: MetaEngine, mount: Mount, source: Source, *, create: bool) -> tuple[Mount, ManifestStats]:
+    """List `source` into a new generation and switch `mount` to it; the old one is dropped after."""
+    stats = ManifestStats()
+    generation = engine.new_generation()
+    try:
+        for entries in entries_from_listing(source.list(), stats):
+            engine.put_entries(generation, entries)
+        if create:
+            stats.added = stats.files
+        else:
+            count_changes(engine.walk(mount.generation, ""), engine.walk(generation, ""), stats)
+        listed = replace(mount, generation=generation, listed_at=time.time())
+        engine.commit_mount(listed, create=create)
+    except BaseException:
+        engine.drop_generation(generation)
+        raise
+    if not create:
+        engine.drop_generation(mount.generation)
+    return listed, stats

@@ -1,0 +1,137 @@
+"""Redis metadata engine for clusters: every node sees the same mounts and manifests.
+
+Layout (prefix `gf:` by default, `?prefix=` in the URL changes it):
+  gf:mounts                hash  mount path -> mount record (JSON)
+  gf:generation            counter
+  gf:g:{gen}:dirs          set   every parent directory that has entries
+  gf:g:{gen}:d:{parent}    hash  name -> encoded entry
+A stat is one HGET, an `ls` one HGETALL.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+import redis
+
+from gpufeed.errors import MetadataError, MountConflict
+from gpufeed.meta.base import Entry, Mount
+
+PIPELINE_CHUNK = 500
+
+
+def _encode(entry: Entry) -> str:
+    if entry.is_dir:
+        return "d"
+    return f"f|{entry.size}|{entry.mtime!r}|{entry.etag if entry.etag is not None else ''}"
+
+
+def _decode(parent: str, name: str, raw: str) -> Entry:
+    if raw == "d":
+        return Entry(parent, name, True)
+    _, size, mtime, etag = raw.split("|", 3)
+    return Entry(parent, name, False, int(size), float(mtime), etag or None)
+
+
+class RedisEngine:
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.prefix = parse_qs(parts.query).get("prefix", ["gf"])[0]
+        self.url = urlunsplit(parts._replace(query=""))
+        self._pid = -1
+        self._client: redis.Redis | None = None
+        self._check()
+
+    @property
+    def _r(self) -> redis.Redis:
+        if self._pid != os.getpid() or self._client is None:
+            self._client = redis.Redis.from_url(
+                self.url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30
+            )
+            self._pid = os.getpid()
+        return self._client
+
+    def _check(self) -> None:
+        try:
+            self._r.ping()
+        except redis.RedisError as exc:
+            raise MetadataError(f"metadata server {self.url}: {exc}") from exc
+
+    def _dirs(self, generation: int) -> str:
+        return f"{self.prefix}:g:{generation}:dirs"
+
+    def _dir(self, generation: int, parent: str) -> str:
+        return f"{self.prefix}:g:{generation}:d:{parent}"
+
+    def mounts(self) -> list[Mount]:
+        records = self._r.hgetall(f"{self.prefix}:mounts")
+        return [Mount.from_json(records[path]) for path in sorted(records)]
+
+    def commit_mount(self, mount: Mount, *, create: bool) -> None:
+        key = f"{self.prefix}:mounts"
+        if create:
+            if not self._r.hsetnx(key, mount.path, mount.to_json()):
+                raise MountConflict(f"{mount.path} is already mounted")
+        else:
+            self._r.hset(key, mount.path, mount.to_json())
+
+    def delete_mount(self, path: str) -> None:
+        self._r.hdel(f"{self.prefix}:mounts", path)
+
+    def new_generation(self) -> int:
+        return int(self._r.incr(f"{self.prefix}:generation"))
+
+    def put_entries(self, generation: int, entries: Iterable[Entry]) -> None:
+        by_parent: dict[str, dict[str, str]] = defaultdict(dict)
+        for entry in entries:
+            by_parent[entry.parent][entry.name] = _encode(entry)
+        pipe = self._r.pipeline(transaction=False)
+        pipe.sadd(self._dirs(generation), *by_parent)
+        for parent, mapping in by_parent.items():
+            pipe.hset(self._dir(generation, parent), mapping=mapping)
+        pipe.execute()
+
+    def drop_generation(self, generation: int) -> None:
+        dirs = self._dirs(generation)
+        batch: list[str] = []
+        for parent in self._r.sscan_iter(dirs, count=1000):
+            batch.append(self._dir(generation, parent))
+            if len(batch) >= PIPELINE_CHUNK:
+                self._r.unlink(*batch)
+                batch = []
+        if batch:
+            self._r.unlink(*batch)
+        self._r.unlink(dirs)
+
+    def lookup(self, generation: int, parent: str, name: str) -> Entry | None:
+        raw = self._r.hget(self._dir(generation, parent), name)
+        return _decode(parent, name, raw) if raw is not None else None
+
+    def listdir(self, generation: int, parent: str) -> list[Entry]:
+        mapping = self._r.hgetall(self._dir(generation, parent))
+        return [_decode(parent, name, mapping[name]) for name in sorted(mapping)]
+
+    def walk(self, generation: int, prefix: str) -> Iterator[Entry]:
+        below = prefix + "/"
+        parents = sorted(
+            p for p in self._r.sscan_iter(self._dirs(generation), count=1000)
+            if not prefix or p == prefix or p.startswith(below)
+        )
+        for start in range(0, len(parents), PIPELINE_CHUNK):
+            chunk = parents[start : start + PIPELINE_CHUNK]
+            pipe = self._r.pipeline(transaction=False)
+            for parent in chunk:
+                pipe.hgetall(self._dir(generation, parent))
+            for parent, mapping in zip(chunk, pipe.execute()):
+                for name in sorted(mapping):
+                    entry = _decode(parent, name, mapping[name])
+                    if not entry.is_dir:
+                        yield entry
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

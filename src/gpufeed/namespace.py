@@ -1,0 +1,223 @@
+"""The namespace: mounts map absolute paths to sources; lookups answer from the manifest.
+
+`ls` and `stat` never touch a source. Paths are normalised before they are resolved, so
+`/data/../../etc/passwd` is `/etc/passwd`, which no mount contains: a path cannot escape
+its mount.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from gpufeed.config import Settings
+from gpufeed.errors import (
+    InvalidArgument,
+    IsADirectory,
+    MountConflict,
+    MountNotFound,
+    ObjectMissing,
+    PathNotFound,
+)
+from gpufeed.meta import MetaEngine, Mount, open_engine
+from gpufeed.meta.base import Entry
+from gpufeed.meta.manifest import ManifestStats, write_manifest
+from gpufeed.sources import Source, open_source
+from gpufeed.sources.base import ObjectInfo
+
+
+@dataclass(frozen=True, slots=True)
+class FileStat:
+    """What `stat` and `ls` report for a namespace path."""
+
+    path: str
+    is_dir: bool
+    size: int = 0
+    mtime: float = 0.0
+    version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """A path inside a mount: `key` is relative to the mount's source root ('' for the root)."""
+
+    mount: Mount
+    key: str
+
+    @property
+    def split(self) -> tuple[str, str]:
+        parent, _, name = self.key.rpartition("/")
+        return parent, name
+
+
+def normalize(path: str) -> str:
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise InvalidArgument(f"{path!r}: namespace paths are absolute, e.g. /data/train/0001.jpg")
+    if "\0" in path:
+        raise InvalidArgument(f"{path!r}: path contains a NUL byte")
+    clean = posixpath.normpath(path)
+    return "/" + clean.lstrip("/")
+
+
+def parse_options(pairs: list[str]) -> dict[str, str]:
+    """`key=value` strings from the command line into a dict; malformed ones are refused."""
+    options: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InvalidArgument(f"--opt {pair!r}: expected key=value")
+        options[key] = value
+    return options
+
+
+class Namespace:
+    def __init__(self, settings: Settings | None = None, engine: MetaEngine | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        self.engine = engine or open_engine(self.settings)
+        self._sources: dict[tuple[str, str], Source] = {}
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # -- mounts ---------------------------------------------------------------------------
+
+    def mounts(self) -> list[Mount]:
+        return self.engine.mounts()
+
+    def mount(self, path: str) -> Mount:
+        path = normalize(path)
+        for mount in self.mounts():
+            if mount.path == path:
+                return mount
+        raise MountNotFound(f"{path}: no such mount (see 'gpufeed mount ls')")
+
+    def add_mount(
+        self,
+        path: str,
+        url: str,
+        options: dict[str, str] | None = None,
+        *,
+        immutable: bool = False,
+        max_age: float | None = None,
+    ) -> tuple[Mount, ManifestStats]:
+        """Validate, list the source once into a manifest, then record the mount."""
+        path = normalize(path)
+        if path == "/":
+            raise InvalidArgument("cannot mount at /: choose a path such as /data")
+        if immutable and max_age is not None:
+            raise InvalidArgument("--immutable and --max-age exclude each other")
+        if max_age is not None and max_age < 0:
+            raise InvalidArgument(f"--max-age {max_age}: must be >= 0 seconds")
+        for other in self.mounts():
+            if path == other.path or path.startswith(other.path + "/") or other.path.startswith(path + "/"):
+                raise MountConflict(f"cannot mount {url} at {path}: it overlaps the mount {other.path} ({other.url})")
+        mount = Mount(path, url, dict(options or {}), immutable=immutable, max_age=max_age)
+        return write_manifest(self.engine, mount, self.source(mount), create=True)
+
+    def refresh(self, path: str) -> tuple[Mount, ManifestStats]:
+        mount = self.mount(path)
+        return write_manifest(self.engine, mount, self.source(mount), create=False)
+
+    def remove_mount(self, path: str) -> Mount:
+        mount = self.mount(path)
+        self.engine.delete_mount(mount.path)
+        self.engine.drop_generation(mount.generation)
+        return mount
+
+    def source(self, mount: Mount) -> Source:
+        cache_key = (mount.url, repr(sorted(mount.options.items())))
+        source = self._sources.get(cache_key)
+        if source is None:
+            source = self._sources[cache_key] = open_source(mount.url, mount.options, self.settings)
+        return source
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def resolve(self, path: str) -> Resolved | None:
+        """The mount holding `path`, or None when `path` is above every mount (a virtual dir)."""
+        path = normalize(path)
+        mounts = self.mounts()
+        for mount in mounts:
+            if path == mount.path:
+                return Resolved(mount, "")
+            if path.startswith(mount.path + "/"):
+                return Resolved(mount, path[len(mount.path) + 1 :])
+        if path == "/" or any(m.path.startswith(path.rstrip("/") + "/") for m in mounts):
+            return None
+        raise PathNotFound(f"{path}: no mount contains this path (see 'gpufeed mount ls')")
+
+    def _entry(self, path: str, where: Resolved) -> Entry:
+        parent, name = where.split
+        entry = self.engine.lookup(where.mount.generation, parent, name)
+        if entry is None:
+            raise PathNotFound(f"{path}: no such file in mount {where.mount.path} ({where.mount.url})")
+        return entry
+
+    def stat(self, path: str) -> FileStat:
+        path = normalize(path)
+        where = self.resolve(path)
+        if where is None or where.key == "":
+            return FileStat(path, True)
+        entry = self._entry(path, where)
+        if entry.is_dir:
+            return FileStat(path, True)
+        return FileStat(path, False, entry.size, entry.mtime, entry.object_info().version)
+
+    def ls(self, path: str) -> list[FileStat]:
+        path = normalize(path)
+        where = self.resolve(path)
+        base = path.rstrip("/")
+        if where is None:
+            children = sorted({m.path[len(base) + 1 :].split("/")[0] for m in self.mounts() if m.path.startswith(base + "/")})
+            return [FileStat(f"{base}/{name}", True) for name in children]
+        if where.key:
+            entry = self._entry(path, where)
+            if not entry.is_dir:
+                return [FileStat(path, False, entry.size, entry.mtime, entry.object_info().version)]
+        return [
+            FileStat(f"{base}/{e.name}", e.is_dir, e.size, e.mtime, None if e.is_dir else e.object_info().version)
+            for e in self.engine.listdir(where.mount.generation, where.key)
+        ]
+
+    def walk(self, path: str) -> Iterator[FileStat]:
+        """Every file under `path` (or `path` itself when it is a file)."""
+        path = normalize(path)
+        where = self.resolve(path)
+        if where is None:
+            base = path.rstrip("/")
+            for mount in self.mounts():
+                if mount.path.startswith(base + "/"):
+                    yield from self.walk(mount.path)
+            return
+        if where.key:
+            entry = self._entry(path, where)
+            if not entry.is_dir:
+                yield FileStat(path, False, entry.size, entry.mtime, entry.object_info().version)
+                return
+        for e in self.engine.walk(where.mount.generation, where.key):
+            yield FileStat(f"{where.mount.path}/{e.key}", False, e.size, e.mtime, e.object_info().version)
+
+    def open_object(self, path: str) -> tuple[Resolved, Source, ObjectInfo]:
+        """Pin the version a read will use. With --max-age, a manifest older than the limit is
+        revalidated with one HEAD, and a changed object is recorded in the manifest."""
+        path = normalize(path)
+        where = self.resolve(path)
+        if where is None or where.key == "":
+            raise IsADirectory(f"{path}: is a directory")
+        entry = self._entry(path, where)
+        if entry.is_dir:
+            raise IsADirectory(f"{path}: is a directory")
+        mount, source, info = where.mount, self.source(where.mount), entry.object_info()
+        if mount.max_age is not None and time.time() - mount.listed_at > mount.max_age:
+            try:
+                current = source.head(where.key)
+            except ObjectMissing as exc:
+                raise ObjectMissing(f"{path}: deleted at the source since mount {mount.path} was listed ({exc})") from exc
+            if current.version != info.version:
+                parent, name = where.split
+                self.engine.put_entries(mount.generation, [Entry(parent, name, False, current.size, current.mtime, current.etag)])
+                info = current
+        return where, source, info

@@ -1,0 +1,54 @@
+"""The one small protocol every store implements: list, head, ranged get."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpufeed.errors import InvalidArgument
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """An object as the source reports it. `key` is relative to the source root, '/'-separated.
+
+    `mtime` is seconds since the epoch (0.0 when the store does not say). `etag` is None when
+    the store has none; then the version is derived from mtime and size.
+    """
+
+    key: str
+    size: int
+    mtime: float
+    etag: str | None = None
+
+    @property
+    def version(self) -> str:
+        return self.etag or f"{int(self.mtime * 1e6):x}-{self.size:x}"
+
+
+class Source(Protocol):
+    """A store rooted at one URL. Implementations raise `gpufeed.errors.SourceError` subclasses."""
+
+    url: str
+    """Canonical URL of the root; with the endpoint it identifies the source (cache keys)."""
+
+    def list(self) -> Iterator[list[ObjectInfo]]:
+        """Every object under the root, in batches, streamed so memory stays bounded."""
+        ...
+
+    def head(self, key: str) -> ObjectInfo: ...
+
+    def get_range(self, key: str, start: int, end: int, expect: ObjectInfo | None = None) -> memoryview:
+        """Bytes [start, end) of `key`. With `expect`, fail with ObjectChanged unless the
+        object still has that version, so bytes of two versions never mix."""
+        ...
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise InvalidArgument(f"option {name}={raw!r}: expected true or false")

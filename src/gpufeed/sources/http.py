@@ -1,0 +1,139 @@
+"""http(s):// sources: ranged GETs through obstore; listing from a JSON directory index
+(nginx `autoindex_format json`) crawled concurrently, or from a listing file.
+
+A listing file (`--list FILE`) has one object per line: `KEY [SIZE]`, KEY relative to the
+source URL. Lines without a size are completed with a HEAD request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterator
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import SplitResult, quote
+
+import aiohttp
+import obstore
+from obstore import exceptions as obx
+from obstore.store import HTTPStore
+
+from gpufeed.config import Settings
+from gpufeed.errors import InvalidArgument, PathNotFound, SourceError, SourceUnreachable
+from gpufeed.sources.base import ObjectInfo
+from gpufeed.sources.objstore import LIST_CHUNK, ObstoreSource
+from gpufeed.sources.stores import client_options, retry_config
+
+INDEX_CONCURRENCY = 16
+
+
+class HttpSource(ObstoreSource):
+    def __init__(self, url: str, store: Any, settings: Settings, listing_file: Path | None) -> None:
+        super().__init__(url, store)
+        self.settings = settings
+        self.listing_file = listing_file
+
+    def list(self) -> Iterator[list[ObjectInfo]]:
+        if self.listing_file is not None:
+            yield from self._list_file(self.listing_file)
+        else:
+            yield from self._crawl_index()
+
+    def _list_file(self, path: Path) -> Iterator[list[ObjectInfo]]:
+        batch: list[tuple[str, int | None]] = []
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                fields = line.split()
+                if not fields or fields[0].startswith("#"):
+                    continue
+                if len(fields) > 2 or (len(fields) == 2 and not fields[1].isdigit()):
+                    raise InvalidArgument(f"{path}:{number}: expected 'KEY [SIZE]', got {line.strip()!r}")
+                batch.append((fields[0].lstrip("/"), int(fields[1]) if len(fields) == 2 else None))
+                if len(batch) == LIST_CHUNK:
+                    yield self._complete(batch)
+                    batch = []
+        if batch:
+            yield self._complete(batch)
+
+    def _complete(self, batch: list[tuple[str, int | None]]) -> list[ObjectInfo]:
+        missing = [key for key, size in batch if size is None]
+        heads: dict[str, ObjectInfo] = {}
+        if missing:
+            heads = dict(zip(missing, asyncio.run(self._head_many(missing))))
+        return [heads[key] if size is None else ObjectInfo(key, size, 0.0) for key, size in batch]
+
+    async def _head_many(self, keys: list[str]) -> list[ObjectInfo]:
+        async def one(key: str) -> ObjectInfo:
+            try:
+                return self._info(await obstore.head_async(self.store, key))
+            except (obx.BaseError, OSError) as exc:
+                raise self.translate(exc, key) from exc
+
+        return await asyncio.gather(*(one(key) for key in keys))
+
+    def _crawl_index(self) -> Iterator[list[ObjectInfo]]:
+        """Breadth-first over directories, INDEX_CONCURRENCY index pages at a time; memory holds
+        only the frontier of directories, never the whole listing."""
+        loop = asyncio.new_event_loop()
+        session = loop.run_until_complete(self._open_session())
+        try:
+            frontier: deque[str] = deque([""])
+            while frontier:
+                level = [frontier.popleft() for _ in range(min(len(frontier), INDEX_CONCURRENCY))]
+                pages = loop.run_until_complete(asyncio.gather(*(self._index_page(session, d) for d in level)))
+                batch: list[ObjectInfo] = []
+                for directory, page in zip(level, pages):
+                    for item in page:
+                        key = f"{directory}{item['name']}"
+                        if item.get("type") == "directory":
+                            frontier.append(key + "/")
+                        elif item.get("type") == "file":
+                            mtime = parsedate_to_datetime(item["mtime"]).timestamp() if item.get("mtime") else 0.0
+                            batch.append(ObjectInfo(key, int(item.get("size", 0)), mtime))
+                if batch:
+                    yield batch
+        finally:
+            loop.run_until_complete(session.close())
+            loop.close()
+
+    async def _open_session(self) -> aiohttp.ClientSession:
+        timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout, connect=self.settings.connect_timeout)
+        return aiohttp.ClientSession(timeout=timeout)
+
+    async def _index_page(self, session: aiohttp.ClientSession, directory: str) -> list[dict[str, Any]]:
+        url = f"{self.url}/{quote(directory)}"
+        try:
+            async with session.get(url) as response:
+                if response.status == 404:
+                    raise PathNotFound(f"{url}: not found (HTTP 404)")
+                if response.status >= 400:
+                    raise SourceError(f"{url}: HTTP {response.status} {response.reason}")
+                try:
+                    page = await response.json(content_type=None)
+                except ValueError:
+                    page = None
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise SourceUnreachable(f"{url}: cannot reach the server ({exc or type(exc).__name__})") from exc
+        if not isinstance(page, list):
+            raise SourceError(
+                f"{url}: the server does not serve a JSON directory index; "
+                "give a listing file with --list FILE (or --opt list=FILE)"
+            )
+        return page
+
+
+def http_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> HttpSource:
+    config = dict(options)
+    listing = config.pop("list", None)
+    if config:
+        raise InvalidArgument(f"{url}: unknown option(s) {', '.join(sorted(config))} (http sources take: list)")
+    listing_file = Path(listing).expanduser().resolve() if listing else None
+    if listing_file is not None and not listing_file.is_file():
+        raise InvalidArgument(f"{url}: listing file {listing} does not exist")
+    if not parts.netloc:
+        raise InvalidArgument(f"{url}: missing host")
+    root = url.rstrip("/")
+    store = HTTPStore(root, client_options=client_options(settings, root), retry_config=retry_config(settings))
+    return HttpSource(root, store, settings, listing_file)

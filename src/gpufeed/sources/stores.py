@@ -1,0 +1,148 @@
+"""Build obstore stores for file://, s3://, gs:// and az:// URLs from a mount's options.
+
+Options a user gives with `--opt key=value` are checked here. The common ones have short
+names (`endpoint`, `region`, `anonymous`, `profile`); any other key is passed to obstore as a
+store configuration key, which obstore validates, so every store setting stays reachable.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import SplitResult
+
+from obstore import exceptions as obx
+from obstore.store import AzureStore, GCSStore, LocalStore, S3Store
+
+from gpufeed.config import Settings
+from gpufeed.errors import InvalidArgument, PathNotFound
+from gpufeed.sources.base import parse_bool
+from gpufeed.sources.objstore import ObstoreSource
+
+
+def client_options(settings: Settings, endpoint: str | None = None) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "connect_timeout": timedelta(seconds=settings.connect_timeout),
+        "timeout": timedelta(seconds=settings.request_timeout),
+    }
+    if endpoint and endpoint.startswith("http://"):
+        options["allow_http"] = True
+    return options
+
+
+def retry_config(settings: Settings) -> dict[str, Any]:
+    return {"max_retries": 3, "retry_timeout": timedelta(seconds=settings.retry_timeout)}
+
+
+def _bucket_and_prefix(parts: SplitResult, url: str) -> tuple[str, str | None]:
+    if not parts.netloc:
+        raise InvalidArgument(f"{url}: missing bucket name (expected {parts.scheme}://BUCKET/PREFIX)")
+    prefix = parts.path.strip("/")
+    return parts.netloc, prefix or None
+
+
+def _no_options(url: str, options: dict[str, str]) -> None:
+    if options:
+        raise InvalidArgument(f"{url}: unknown option(s) {', '.join(sorted(options))} for this source kind")
+
+
+def _construct(url: str, endpoint: str | None, factory: Any, **kwargs: Any) -> ObstoreSource:
+    try:
+        store = factory(**kwargs)
+    except (obx.UnknownConfigurationKeyError, obx.GenericError, ValueError, TypeError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InvalidArgument(f"{url}: invalid store configuration ({message})") from exc
+    return ObstoreSource(url, store, endpoint)
+
+
+def local_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
+    if parts.netloc not in ("", "localhost"):
+        raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
+    _no_options(url, options)
+    root = Path(parts.path)
+    if not root.is_absolute():
+        raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
+    if not root.is_dir():
+        raise PathNotFound(f"{url}: no such directory")
+    return _construct(f"file://{root}", None, LocalStore, prefix=root)
+
+
+def s3_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
+    bucket, prefix = _bucket_and_prefix(parts, url)
+    config = dict(options)
+    endpoint = config.pop("endpoint", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    kwargs: dict[str, Any] = {"bucket": bucket, "prefix": prefix}
+    if endpoint:
+        kwargs["endpoint"] = endpoint
+    if "region" in config:
+        kwargs["region"] = config.pop("region")
+    if parse_bool("anonymous", config.pop("anonymous", "false")):
+        kwargs["skip_signature"] = True
+    profile = config.pop("profile", None) or (
+        os.environ.get("AWS_PROFILE") if not os.environ.get("AWS_ACCESS_KEY_ID") else None
+    )
+    if profile and not kwargs.get("skip_signature"):
+        kwargs["credential_provider"] = _profile_credentials(url, profile)
+    return _construct(
+        f"s3://{bucket}/{prefix or ''}",
+        endpoint,
+        S3Store,
+        config=config or None,
+        client_options=client_options(settings, endpoint),
+        retry_config=retry_config(settings),
+        **kwargs,
+    )
+
+
+def _profile_credentials(url: str, profile: str) -> Any:
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        raise InvalidArgument(f"{url}: AWS profile {profile!r} needs boto3: pip install 'gpufeed[aws]'") from None
+    try:
+        return Boto3CredentialProvider(boto3.Session(profile_name=profile))
+    except Exception as exc:  # botocore raises ProfileNotFound and friends, all with clear text
+        raise InvalidArgument(f"{url}: AWS profile {profile!r}: {exc}") from exc
+
+
+def gcs_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
+    bucket, prefix = _bucket_and_prefix(parts, url)
+    config = dict(options)
+    endpoint = config.pop("endpoint", None)
+    if endpoint:
+        config["base_url"] = endpoint
+    kwargs: dict[str, Any] = {"bucket": bucket, "prefix": prefix}
+    if parse_bool("anonymous", config.pop("anonymous", "false")):
+        kwargs["skip_signature"] = True
+    return _construct(
+        f"gs://{bucket}/{prefix or ''}",
+        endpoint,
+        GCSStore,
+        config=config or None,
+        client_options=client_options(settings, endpoint),
+        retry_config=retry_config(settings),
+        **kwargs,
+    )
+
+
+def azure_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
+    container, prefix = _bucket_and_prefix(parts, url)
+    config = dict(options)
+    endpoint = config.get("endpoint")
+    if "account" in config:
+        config["account_name"] = config.pop("account")
+    if parse_bool("anonymous", config.pop("anonymous", "false")):
+        config["skip_signature"] = True
+    return _construct(
+        f"az://{container}/{prefix or ''}",
+        endpoint,
+        AzureStore,
+        container_name=container,
+        prefix=prefix,
+        config=config or None,
+        client_options=client_options(settings, endpoint),
+        retry_config=retry_config(settings),
+    )
