@@ -1,4 +1,6 @@
-"""`gpufeed ls|stat|cat|du`: answered from the manifest; only `cat` reads bytes."""
+"""`gpufeed ls|stat|cat|du`: answered from the manifest; only `cat` reads bytes.
+
+Plain lines (no rich markup) so the output pipes into other tools."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import sys
 
 import typer
 
-from gpufeed.cli.console import human_bytes, out, when
+from gpufeed.cli.console import human_bytes, when
 from gpufeed.client import Client
 
 CAT_CHUNK = 8 << 20
@@ -21,20 +23,20 @@ def ls(
         name = item.path.rsplit("/", 1)[-1] + ("/" if item.is_dir else "")
         if long:
             size = "-" if item.is_dir else str(item.size)
-            out.print(f"{size:>12}  {when(item.mtime):19}  {name}", markup=False, highlight=False)
+            typer.echo(f"{size:>12}  {when(item.mtime):19}  {name}")
         else:
-            out.print(name, markup=False, highlight=False)
+            typer.echo(name)
 
 
 def stat(path: str = typer.Argument(..., help="Namespace path.")) -> None:
     """Show size, type, modification time and version."""
     item = Client().stat(path)
-    out.print(f"path:     {item.path}", markup=False, highlight=False)
-    out.print(f"type:     {'directory' if item.is_dir else 'file'}", highlight=False)
+    typer.echo(f"path:     {item.path}")
+    typer.echo(f"type:     {'directory' if item.is_dir else 'file'}")
     if not item.is_dir:
-        out.print(f"size:     {item.size}", highlight=False)
-        out.print(f"modified: {when(item.mtime)}", highlight=False)
-        out.print(f"version:  {item.version}", markup=False, highlight=False)
+        typer.echo(f"size:     {item.size}")
+        typer.echo(f"modified: {when(item.mtime)}")
+        typer.echo(f"version:  {item.version}")
 
 
 def cat(path: str = typer.Argument(..., help="Namespace path of a file.")) -> None:
@@ -52,7 +54,7 @@ def du(path: str = typer.Argument("/", help="Namespace path.")) -> None:
     for item in Client().walk(path):
         files += 1
         total += item.size
-    out.print(f"{total}\t{human_bytes(total)}\t{files} files\t{path}", markup=False, highlight=False)
+    typer.echo(f"{total}\t{human_bytes(total)}\t{files} files\t{path}")
 
 
 def register(app: typer.Typer) -> None:

@@ -60,4 +60,6 @@ def run(argv: list[str] | None = None) -> None:
     except BrokenPipeError:
         sys.stderr.close()
         code = 0
+    except Exception as exc:  # a bug, not bad input: still one line, traceback with --debug
+        code = _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", 1, debug)
     sys.exit(code if isinstance(code, int) else 0)

@@ -82,7 +82,7 @@ class HttpSource(ObstoreSource):
             frontier: deque[str] = deque([""])
             while frontier:
                 level = [frontier.popleft() for _ in range(min(len(frontier), INDEX_CONCURRENCY))]
-                pages = loop.run_until_complete(asyncio.gather(*(self._index_page(session, d) for d in level)))
+                pages = loop.run_until_complete(self._index_pages(session, level))
                 batch: list[ObjectInfo] = []
                 for directory, page in zip(level, pages):
                     for item in page:
@@ -101,6 +101,9 @@ class HttpSource(ObstoreSource):
     async def _open_session(self) -> aiohttp.ClientSession:
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout, connect=self.settings.connect_timeout)
         return aiohttp.ClientSession(timeout=timeout)
+
+    async def _index_pages(self, session: aiohttp.ClientSession, directories: list[str]) -> list[list[dict[str, Any]]]:
+        return await asyncio.gather(*(self._index_page(session, d) for d in directories))
 
     async def _index_page(self, session: aiohttp.ClientSession, directory: str) -> list[dict[str, Any]]:
         url = f"{self.url}/{quote(directory)}"

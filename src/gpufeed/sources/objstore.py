@@ -6,6 +6,7 @@ adapter; kinds differ only in how the store is built and, for HTTP, how it is li
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
@@ -26,8 +27,21 @@ from gpufeed.sources.base import ObjectInfo
 LIST_CHUNK = 1000
 
 
+_XML_CODE = re.compile(r"<Code>([^<]*)</Code>")
+_XML_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+_STATUS = re.compile(r"status code: (\d{3} [A-Za-z ]+?)(?::|$)", re.MULTILINE)
+
+
 def _first_line(exc: BaseException) -> str:
+    """The useful part of an obstore error: the store's own error code and message when the
+    response carried an XML error body, else the first line (the rest is a Rust debug dump)."""
     text = str(exc).strip()
+    code = _XML_CODE.search(text)
+    if code:
+        status = _STATUS.search(text)
+        message = _XML_MESSAGE.search(text)
+        parts = [status.group(1) if status else "", code.group(1), message.group(1) if message else ""]
+        return ": ".join(p for p in parts if p)
     return text.splitlines()[0] if text else type(exc).__name__
 
 
@@ -62,13 +76,18 @@ class ObstoreSource:
             return ObjectMissing(f"{where}: not found at the source")
         if isinstance(exc, obx.PreconditionError):
             return ObjectChanged(f"{where}: the object changed at the source since it was listed")
+        if "/latest/api/token" in str(exc) or "/latest/meta-data" in str(exc):
+            return SourceAuthError(
+                f"{where}: no credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "or --opt profile=NAME, or --opt anonymous=true for public data)"
+            )
         if isinstance(exc, (obx.PermissionDeniedError, obx.UnauthenticatedError, PermissionError)):
             return SourceAuthError(f"{where}: access denied ({message})")
         if isinstance(exc, obx.UnknownConfigurationKeyError):
             return InvalidArgument(f"{where}: {message}")
         if _is_connection_failure(message) or isinstance(exc, (ConnectionError, TimeoutError)):
             return SourceUnreachable(f"{where}: cannot reach the store ({message})")
-        if any(code in message for code in ("403 Forbidden", "401 Unauthorized", "InvalidAccessKeyId", "SignatureDoesNotMatch")):
+        if any(code in message for code in ("403 Forbidden", "401 Unauthorized", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied")):
             return SourceAuthError(f"{where}: access denied ({message})")
         return SourceError(f"{where}: {message}")
 

@@ -48,13 +48,14 @@ def _no_options(url: str, options: dict[str, str]) -> None:
         raise InvalidArgument(f"{url}: unknown option(s) {', '.join(sorted(options))} for this source kind")
 
 
-def _construct(url: str, endpoint: str | None, factory: Any, **kwargs: Any) -> ObstoreSource:
+def _construct(display_url: str, shown_endpoint: str | None, factory: Any, **kwargs: Any) -> ObstoreSource:
+    display_url = display_url.rstrip("/")
     try:
         store = factory(**kwargs)
     except (obx.UnknownConfigurationKeyError, obx.GenericError, ValueError, TypeError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InvalidArgument(f"{url}: invalid store configuration ({message})") from exc
-    return ObstoreSource(url, store, endpoint)
+        raise InvalidArgument(f"{display_url}: invalid store configuration ({message})") from exc
+    return ObstoreSource(display_url, store, shown_endpoint)
 
 
 def local_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:

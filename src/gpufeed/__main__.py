@@ -1,0 +1,3 @@
+from gpufeed.cli.main import run
+
+run()

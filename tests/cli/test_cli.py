@@ -1,0 +1,115 @@
+"""The `gpufeed` command as a user runs it: a real process, its output and exit code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Bucket, free_port
+
+
+def gpufeed(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpufeed", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {}), "COLUMNS": "200"},
+        timeout=120,
+    )
+
+
+def ok(*args: str, env: dict[str, str] | None = None) -> str:
+    result = gpufeed(*args, env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def fails(code: int, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run a failing command; return its one stderr line after checking the contract."""
+    result = gpufeed(*args, env=env)
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpufeed: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_file_mount_session(dataset: Path) -> None:
+    assert "mounted file://" in ok("mount", "add", "/data", f"file://{dataset}")
+    assert "/data" in ok("mount", "ls")
+    assert ok("ls", "/").split() == ["data/"]
+    assert ok("ls", "/data").split() == ["README", "empty.bin", "train/"]
+    long = ok("ls", "-l", "/data/train/cats").splitlines()
+    assert [line.split()[0] for line in long] == ["1000", "1001", "1002"]
+    assert long[0].endswith("0.jpg")
+    stat = ok("stat", "/data/train/dogs/1.jpg")
+    assert "size:     2001" in stat and "type:     file" in stat
+    assert ok("cat", "/data/README") == "readme\n"
+    assert ok("du", "/data/train").split("\t")[0] == str(3003 + 6003)
+    (dataset / "README").write_bytes(b"changed")
+    assert "0 added, 1 changed, 0 removed" in ok("mount", "refresh", "/data")
+    assert ok("cat", "/data/README") == "changed"
+    assert "removed mount /data" in ok("mount", "rm", "/data")
+    assert "no mounts" in ok("mount", "ls")
+
+
+def test_s3_mount_session(bucket: Bucket) -> None:
+    for i in range(3):
+        bucket.put(f"train/{i}.bin", bytes([i]) * (10 + i))
+    bucket.put("labels.csv", b"a,b\n")
+    assert "4 files" in ok("mount", "add", "/s3", bucket.url, "--opt", f"endpoint={bucket.endpoint}", "--immutable")
+    assert "immutable" in ok("mount", "ls")
+    assert ok("ls", "/s3/train").split() == ["0.bin", "1.bin", "2.bin"]
+    assert ok("cat", "/s3/labels.csv") == "a,b\n"
+    assert ok("du", "/s3").split("\t")[2] == "4 files"
+
+
+def test_redis_engine_from_environment(dataset: Path, redis_url: str) -> None:
+    env = {"GPUFEED_META": f"{redis_url}?prefix=cli{os.getpid()}"}
+    ok("mount", "add", "/r", f"file://{dataset}", env=env)
+    assert ok("ls", "/r/train", env=env).split() == ["cats/", "dogs/"]
+    assert "no mounts" in ok("mount", "ls"), "the SQLite default is a different engine"
+    ok("mount", "rm", "/r", env=env)
+
+
+def test_metadata_server_down_is_one_line() -> None:
+    line = fails(1, "mount", "ls", env={"GPUFEED_META": f"redis://127.0.0.1:{free_port()}/0"})
+    assert "metadata server redis://127.0.0.1" in line
+
+
+def test_errors_are_one_line_with_exit_codes(dataset: Path, bucket: Bucket, moto_auth_endpoint: str) -> None:
+    bucket.put("gone.bin", b"x")
+    ok("mount", "add", "/data", f"file://{dataset}")
+    ok("mount", "add", "/s3", bucket.url, "-o", f"endpoint={bucket.endpoint}")
+    bucket.delete("gone.bin")
+    assert "/data/nope: no such file in mount /data" in fails(1, "stat", "/data/nope")
+    assert "/elsewhere/x: no mount contains" in fails(1, "cat", "/elsewhere/x")
+    assert "/etc/passwd: no mount contains" in fails(1, "cat", "/data/../../etc/passwd")
+    assert "/s3/gone.bin: deleted at the source" in fails(1, "cat", "/s3/gone.bin")
+    assert "unsupported URL scheme 'ftp'" in fails(2, "mount", "add", "/f", "ftp://host/x")
+    assert "--opt 'endpoint': expected key=value" in fails(2, "mount", "add", "/b", "s3://b", "--opt", "endpoint")
+    assert "overlaps the mount /data" in fails(1, "mount", "add", "/data/sub", f"file://{dataset}")
+    unreachable = fails(1, "mount", "add", "/u", "s3://b", "-o", f"endpoint=http://127.0.0.1:{free_port()}")
+    assert "cannot reach the store" in unreachable and "s3://b (endpoint http://127.0.0.1:" in unreachable
+    assert "InvalidAccessKeyId" in fails(1, "mount", "add", "/a", "s3://b", "-o", f"endpoint={moto_auth_endpoint}")
+    assert "/nope: no such mount" in fails(1, "mount", "rm", "/nope")
+    assert "is a directory" in fails(1, "cat", "/data/train")
+    assert "No such command" in fails(2, "frobnicate")
+    assert "Missing argument" in fails(2, "mount", "add", "/x")
+    assert [m.split()[0] for m in ok("mount", "ls").splitlines()[1:]] == ["/data", "/s3"], "nothing stored was lost"
+
+
+def test_debug_shows_the_traceback() -> None:
+    result = gpufeed("--debug", "cat", "/nowhere/x")
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "PathNotFound" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("gpufeed: error: /nowhere/x")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["mount", "--help"], ["ls", "--help"]])
+def test_help(args: list[str]) -> None:
+    assert "Usage" in ok(*args)

@@ -1,0 +1,241 @@
+"""Real servers for the suite: moto's S3 server, redis-server and nginx, each on a free
+loopback port, started once per session. A missing server binary fails the run (the README's
+test command installs them); nothing here is skipped silently."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpufeed.config import Settings
+from gpufeed.namespace import Namespace
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, process: subprocess.Popen, name: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {process.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{name} did not listen on port {port} within {timeout}s")
+
+
+def need_binary(name: str) -> str:
+    """A server binary from PATH, the running interpreter's bin dir (moto_server in a venv) or sbin."""
+    search = os.pathsep.join([os.environ.get("PATH", ""), os.path.dirname(sys.executable), "/usr/sbin", "/sbin"])
+    path = shutil.which(name, path=search)
+    if path is None:
+        pytest.fail(f"{name} is not installed; run the README's test command (scripts/test)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def server_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("servers")
+
+
+def _start(argv: list[str], port: int, name: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    process = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    wait_for_port(port, process, name)
+    return process
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+AWS_TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint(server_dir: Path) -> Iterator[str]:
+    """moto's S3-compatible server; credentials are the usual AWS_* variables."""
+    os.environ.update(AWS_TEST_ENV)
+    os.environ.pop("AWS_PROFILE", None)
+    port = free_port()
+    process = _start(
+        [need_binary("moto_server"), "-H", "127.0.0.1", "-p", str(port)], port, "moto_server", server_dir / "moto.log"
+    )
+    yield f"http://127.0.0.1:{port}"
+    _stop(process)
+
+
+@pytest.fixture(scope="session")
+def moto_auth_endpoint(server_dir: Path) -> Iterator[str]:
+    """A second moto server that checks credentials from the first request (no IAM users exist)."""
+    port = free_port()
+    env = {**os.environ, **AWS_TEST_ENV, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}
+    process = _start(
+        [need_binary("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        port,
+        "moto_server (auth)",
+        server_dir / "moto-auth.log",
+        env,
+    )
+    yield f"http://127.0.0.1:{port}"
+    _stop(process)
+
+
+@dataclass
+class Bucket:
+    name: str
+    endpoint: str
+    client: object
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.name}"
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.name, Key=key, Body=data)  # type: ignore[attr-defined]
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.name, Key=key)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def bucket(moto_endpoint: str) -> Bucket:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    name = f"b-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=name)
+    return Bucket(name, moto_endpoint, client)
+
+
+@pytest.fixture(scope="session")
+def redis_url(server_dir: Path) -> Iterator[str]:
+    port = free_port()
+    process = _start(
+        [need_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        port,
+        "redis-server",
+        server_dir / "redis.log",
+    )
+    yield f"redis://127.0.0.1:{port}/0"
+    _stop(process)
+
+
+NGINX_CONF = """
+{user}
+daemon off;
+worker_processes 1;
+pid {run}/nginx.pid;
+error_log {run}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log {run}/access.log;
+    client_body_temp_path {run}/body;
+    proxy_temp_path {run}/proxy;
+    fastcgi_temp_path {run}/fastcgi;
+    uwsgi_temp_path {run}/uwsgi;
+    scgi_temp_path {run}/scgi;
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            root {root};
+            autoindex on;
+            autoindex_format json;
+        }}
+    }}
+}}
+"""
+
+
+@dataclass
+class HttpServer:
+    root: Path
+    url: str
+
+
+@pytest.fixture(scope="session")
+def nginx(server_dir: Path) -> Iterator[HttpServer]:
+    """nginx serving a directory with a JSON autoindex and byte ranges."""
+    run = server_dir / "nginx"
+    root = server_dir / "www"
+    run.mkdir()
+    root.mkdir()
+    port = free_port()
+    conf = run / "nginx.conf"
+    user = "user root;" if os.geteuid() == 0 else ""  # workers must read pytest's private temp dirs
+    conf.write_text(NGINX_CONF.format(user=user, run=run, port=port, root=root))
+    process = _start([need_binary("nginx"), "-c", str(conf), "-e", str(run / "error.log")], port, "nginx", run / "out.log")
+    yield HttpServer(root, f"http://127.0.0.1:{port}")
+    _stop(process)
+
+
+@pytest.fixture(autouse=True)
+def gpufeed_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own GPUFEED_HOME and the SQLite engine unless it asks otherwise."""
+    home = tmp_path / "gpufeed-home"
+    monkeypatch.setenv("GPUFEED_HOME", str(home))
+    monkeypatch.delenv("GPUFEED_META", raising=False)
+    monkeypatch.setenv("GPUFEED_CONNECT_TIMEOUT", "2")
+    monkeypatch.setenv("GPUFEED_RETRY_TIMEOUT", "3")
+    for name, value in AWS_TEST_ENV.items():  # never fall back to the cloud's instance-metadata endpoint
+        monkeypatch.setenv(name, value)
+    import gpufeed
+
+    gpufeed._default = None
+    return home
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def meta_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The metadata engine URL for each engine; Redis runs get a key prefix of their own."""
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path / 'meta.db'}"
+    base = request.getfixturevalue("redis_url")
+    return f"{base}?prefix=t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def namespace(meta_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Namespace]:
+    monkeypatch.setenv("GPUFEED_META", meta_url)
+    ns = Namespace(Settings.from_env())
+    yield ns
+    ns.close()
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    """A small tree: 2 top files, a nested dir, an empty file."""
+    root = tmp_path / "dataset"
+    (root / "train" / "cats").mkdir(parents=True)
+    (root / "train" / "dogs").mkdir(parents=True)
+    (root / "README").write_bytes(b"readme\n")
+    (root / "empty.bin").write_bytes(b"")
+    for i in range(3):
+        (root / "train" / "cats" / f"{i}.jpg").write_bytes(bytes([i]) * (1000 + i))
+        (root / "train" / "dogs" / f"{i}.jpg").write_bytes(bytes([100 + i]) * (2000 + i))
+    return root

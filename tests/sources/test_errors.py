@@ -1,0 +1,187 @@
+"""Every way a source can fail, against real servers: one clear error naming the place."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpufeed.config import Settings
+from gpufeed.errors import InvalidArgument, PathNotFound, SourceAuthError, SourceError, SourceUnreachable
+from gpufeed.namespace import Namespace
+from gpufeed.sources import open_source
+from tests.conftest import Bucket, HttpServer
+
+
+@pytest.fixture
+def blackhole() -> Iterator[str]:
+    """A TCP server that accepts connections and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize(
+    ("url", "options"),
+    [
+        ("s3://some-bucket/p", {"endpoint": "ENDPOINT"}),
+        ("gs://some-bucket/p", {"endpoint": "ENDPOINT", "anonymous": "true"}),
+        ("az://container/p", {"endpoint": "ENDPOINT", "account": "acct", "anonymous": "true"}),
+        ("ENDPOINT/site", {}),
+    ],
+)
+@pytest.mark.parametrize("server", ["refused", "silent"])
+def test_unreachable_endpoint_fails_within_timeout(
+    url: str, options: dict[str, str], server: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUFEED_REQUEST_TIMEOUT", "1")
+    monkeypatch.setenv("GPUFEED_CONNECT_TIMEOUT", "1")
+    monkeypatch.setenv("GPUFEED_RETRY_TIMEOUT", "2")
+    endpoint = closed_port() if server == "refused" else request.getfixturevalue("blackhole")
+    url = url.replace("ENDPOINT", endpoint)
+    options = {k: v.replace("ENDPOINT", endpoint) for k, v in options.items()}
+    started = time.monotonic()
+    with pytest.raises(SourceUnreachable) as caught:
+        Namespace().add_mount("/remote", url, options)
+    assert time.monotonic() - started < 30, "an unreachable endpoint must fail, not hang"
+    assert endpoint.removeprefix("http://") in str(caught.value)
+    assert Namespace().mounts() == []
+
+
+def test_wrong_credentials(moto_auth_endpoint: str) -> None:
+    with pytest.raises(SourceAuthError, match=r"s3://guarded .*access denied .*InvalidAccessKeyId"):
+        Namespace().add_mount("/s3", "s3://guarded", {"endpoint": moto_auth_endpoint})
+
+
+def test_no_credentials_at_all(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    options = {"endpoint": moto_endpoint, "metadata_endpoint": closed_port()}  # not the cloud's real one
+    with pytest.raises(SourceAuthError, match="no credentials found"):
+        Namespace().add_mount("/s3", "s3://some-bucket", options)
+
+
+def test_missing_bucket_names_bucket_and_endpoint(moto_endpoint: str) -> None:
+    with pytest.raises(SourceError, match=rf"s3://no-such-bucket \(endpoint {moto_endpoint}\): .*NoSuchBucket"):
+        Namespace().add_mount("/s3", "s3://no-such-bucket", {"endpoint": moto_endpoint})
+
+
+def test_s3_credentials_from_a_profile(bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket.put("k", b"v")
+    credentials = tmp_path / "credentials"
+    credentials.write_text("[ml]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    _, stats = Namespace().add_mount("/s3", bucket.url, {"endpoint": bucket.endpoint, "profile": "ml", "region": "us-east-1"})
+    assert stats.files == 1
+    with pytest.raises(InvalidArgument, match="profile 'nope'"):
+        Namespace().add_mount("/s3b", bucket.url, {"endpoint": bucket.endpoint, "profile": "nope"})
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "message"),
+    [
+        ("ftp://host/x", {}, "unsupported URL scheme 'ftp'"),
+        ("/plain/path", {}, "unsupported URL scheme ''"),
+        ("s3:///prefix", {}, "missing bucket name"),
+        ("gs://", {}, "missing bucket name"),
+        ("az:///x", {}, "missing bucket name"),
+        ("s3://b", {"not_a_key": "1"}, "not_a_key"),
+        ("gs://b", {"not_a_key": "1", "anonymous": "true"}, "not_a_key"),
+        ("az://c", {"not_a_key": "1", "anonymous": "true"}, "not_a_key"),
+        ("s3://b", {"anonymous": "perhaps"}, "anonymous='perhaps': expected true or false"),
+        ("file://relative/dir", {}, "absolute path"),
+        ("file:///tmp", {"endpoint": "x"}, "unknown option"),
+        ("http://host/x", {"region": "x"}, "http sources take: list"),
+        ("http://host/x", {"list": "/does/not/exist"}, "listing file /does/not/exist does not exist"),
+        ("http:///x", {}, "missing host"),
+    ],
+)
+def test_bad_urls_and_options(url: str, options: dict[str, str], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message.replace("(", r"\(").replace(")", r"\)")):
+        open_source(url, options, Settings.from_env())
+
+
+def test_gcs_and_azure_urls_parse(tmp_path: Path) -> None:
+    gcs = open_source("gs://bucket/some/prefix/", {"anonymous": "true"}, Settings.from_env())
+    assert gcs.url == "gs://bucket/some/prefix"
+    azure = open_source("az://container/p", {"account": "acct", "anonymous": "true"}, Settings.from_env())
+    assert azure.url == "az://container/p"
+
+
+def test_missing_local_directory() -> None:
+    with pytest.raises(PathNotFound, match="file:///no/such/dir: no such directory"):
+        Namespace().add_mount("/data", "file:///no/such/dir")
+
+
+class _HtmlHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_http_without_json_index_asks_for_a_listing_file(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes(b"a")
+    handler = lambda *a, **k: _HtmlHandler(*a, directory=str(tmp_path), **k)  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(SourceError, match="does not serve a JSON directory index; give a listing file with --list"):
+            Namespace().add_mount("/web", f"http://127.0.0.1:{server.server_address[1]}/")
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+def test_http_listing_file_with_and_without_sizes(nginx: HttpServer, tmp_path: Path) -> None:
+    site = nginx.root / f"listed-{tmp_path.name}"
+    (site / "d").mkdir(parents=True)
+    (site / "d" / "one").write_bytes(b"1" * 11)
+    (site / "two").write_bytes(b"2" * 22)
+    listing = tmp_path / "files.txt"
+    listing.write_text("# key size\nd/one 11\n\n/two\n")
+    ns = Namespace()
+    _, stats = ns.add_mount("/web", f"{nginx.url}/{site.name}", {"list": str(listing)})
+    assert (stats.files, stats.bytes) == (2, 33)
+    assert ns.stat("/web/two").size == 22
+    bad = tmp_path / "bad.txt"
+    bad.write_text("d/one eleven\n")
+    with pytest.raises(InvalidArgument, match=r"bad.txt:1: expected 'KEY \[SIZE\]'"):
+        ns.add_mount("/web2", f"{nginx.url}/{site.name}", {"list": str(bad)})
+
+
+def test_http_missing_site_is_not_found(nginx: HttpServer) -> None:
+    with pytest.raises(PathNotFound, match="HTTP 404"):
+        Namespace().add_mount("/web", f"{nginx.url}/no-such-site")

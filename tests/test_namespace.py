@@ -1,0 +1,168 @@
+"""Mounts, manifests and lookups over real sources, against both metadata engines."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gpufeed.errors import InvalidArgument, IsADirectory, MountConflict, MountNotFound, PathNotFound
+from gpufeed.namespace import Namespace, normalize, parse_options
+
+
+def test_mount_lists_source_into_manifest(namespace: Namespace, dataset: Path) -> None:
+    mount, stats = namespace.add_mount("/data", f"file://{dataset}")
+    assert (stats.files, stats.bytes, stats.added) == (8, 7 + 3 * 1000 + 3 + 3 * 2000 + 3, 8)
+    assert namespace.mounts() == [mount]
+    assert [s.path for s in namespace.ls("/data")] == ["/data/README", "/data/empty.bin", "/data/train"]
+    assert [s.path for s in namespace.ls("/data/train/cats")] == [f"/data/train/cats/{i}.jpg" for i in range(3)]
+    st = namespace.stat("/data/train/dogs/2.jpg")
+    assert (st.is_dir, st.size) == (False, 2002)
+    assert st.version
+    assert namespace.stat("/data/train").is_dir
+
+
+def test_ls_and_stat_never_touch_the_source(namespace: Namespace, dataset: Path) -> None:
+    namespace.add_mount("/data", f"file://{dataset}")
+    shutil.rmtree(dataset)
+    assert namespace.stat("/data/train/cats/1.jpg").size == 1001
+    assert len(namespace.ls("/data/train/dogs")) == 3
+    assert sum(s.size for s in namespace.walk("/data")) == 7 + 3003 + 6003
+
+
+def test_virtual_directories_above_mounts(namespace: Namespace, dataset: Path) -> None:
+    namespace.add_mount("/datasets/imagenet", f"file://{dataset}")
+    assert [(s.path, s.is_dir) for s in namespace.ls("/")] == [("/datasets", True)]
+    assert [s.path for s in namespace.ls("/datasets")] == ["/datasets/imagenet"]
+    assert namespace.stat("/datasets").is_dir
+    assert len(list(namespace.walk("/datasets"))) == 8
+    with pytest.raises(PathNotFound, match="/elsewhere: no mount contains"):
+        namespace.ls("/elsewhere")
+
+
+def test_ls_of_a_file_is_the_file(namespace: Namespace, dataset: Path) -> None:
+    namespace.add_mount("/data", f"file://{dataset}")
+    [only] = namespace.ls("/data/README")
+    assert (only.path, only.size) == ("/data/README", 7)
+
+
+@pytest.mark.parametrize(
+    "path", ["/data/../../etc/passwd", "/data/train/../../../etc/passwd", "/../../etc/passwd", "/data/../etc"]
+)
+def test_path_traversal_never_escapes_a_mount(namespace: Namespace, dataset: Path, path: str) -> None:
+    namespace.add_mount("/data", f"file://{dataset}")
+    with pytest.raises(PathNotFound, match="no mount contains"):
+        namespace.stat(path)
+    with pytest.raises(PathNotFound):
+        namespace.open_object(path)
+
+
+def test_dotdot_inside_a_mount_resolves_inside_it(namespace: Namespace, dataset: Path) -> None:
+    namespace.add_mount("/data", f"file://{dataset}")
+    assert namespace.stat("/data/train/cats/../dogs/0.jpg").size == 2000
+
+
+@pytest.mark.parametrize("other", ["/data", "/data/sub", "/"])
+def test_overlapping_mounts_are_refused(namespace: Namespace, dataset: Path, tmp_path: Path, other: str) -> None:
+    namespace.add_mount("/data", f"file://{dataset}")
+    error = InvalidArgument if other == "/" else MountConflict
+    with pytest.raises(error):
+        namespace.add_mount(other, f"file://{tmp_path}")
+    assert [m.path for m in namespace.mounts()] == ["/data"]
+
+
+def test_parent_of_existing_mount_is_refused(namespace: Namespace, dataset: Path, tmp_path: Path) -> None:
+    namespace.add_mount("/a/b", f"file://{dataset}")
+    with pytest.raises(MountConflict, match="overlaps the mount /a/b"):
+        namespace.add_mount("/a", f"file://{tmp_path}")
+    namespace.add_mount("/ab", f"file://{tmp_path}")
+    assert [m.path for m in namespace.mounts()] == ["/a/b", "/ab"]
+
+
+def test_refresh_counts_added_changed_removed(namespace: Namespace, dataset: Path) -> None:
+    mount, _ = namespace.add_mount("/data", f"file://{dataset}")
+    (dataset / "train" / "cats" / "0.jpg").unlink()
+    (dataset / "train" / "cats" / "1.jpg").write_bytes(b"changed")
+    (dataset / "new").mkdir()
+    (dataset / "new" / "a").write_bytes(b"a")
+    (dataset / "new" / "b").write_bytes(b"b")
+    refreshed, stats = namespace.refresh("/data")
+    assert (stats.added, stats.changed, stats.removed) == (2, 1, 1)
+    assert refreshed.generation != mount.generation
+    assert namespace.stat("/data/train/cats/1.jpg").size == 7
+    assert [s.path for s in namespace.ls("/data/new")] == ["/data/new/a", "/data/new/b"]
+    with pytest.raises(PathNotFound):
+        namespace.stat("/data/train/cats/0.jpg")
+    assert list(namespace.engine.walk(mount.generation, "")) == [], "old generation is dropped"
+
+
+def test_failed_listing_leaves_mounts_untouched(namespace: Namespace, dataset: Path) -> None:
+    namespace.add_mount("/data", f"file://{dataset}")
+    before = namespace.mounts()
+    with pytest.raises(Exception):
+        namespace.add_mount("/s3", "s3://bucket-x", {"endpoint": "http://127.0.0.1:1"})
+    assert namespace.mounts() == before
+
+
+def test_remove_mount_drops_manifest(namespace: Namespace, dataset: Path) -> None:
+    mount, _ = namespace.add_mount("/data", f"file://{dataset}")
+    namespace.remove_mount("/data/")
+    assert namespace.mounts() == []
+    assert namespace.engine.listdir(mount.generation, "") == []
+    with pytest.raises(MountNotFound, match="/data: no such mount"):
+        namespace.remove_mount("/data")
+    with pytest.raises(MountNotFound):
+        namespace.refresh("/nope")
+
+
+def test_opening_a_directory_is_an_error(namespace: Namespace, dataset: Path) -> None:
+    namespace.add_mount("/data", f"file://{dataset}")
+    for path in ("/data", "/data/train", "/"):
+        with pytest.raises(IsADirectory):
+            namespace.open_object(path)
+
+
+@pytest.mark.parametrize("bad", ["relative/path", "", "/a\0b"])
+def test_bad_paths_are_refused(bad: str) -> None:
+    with pytest.raises(InvalidArgument):
+        normalize(bad)
+
+
+def test_normalize() -> None:
+    assert normalize("//data//x/./y/") == "/data/x/y"
+    assert normalize("/") == "/"
+
+
+def test_parse_options() -> None:
+    assert parse_options(["endpoint=http://h:1/?a=b", "region=", "anonymous=true"]) == {
+        "endpoint": "http://h:1/?a=b",
+        "region": "",
+        "anonymous": "true",
+    }
+    for bad in (["novalue"], ["=x"], [" =x"]):
+        with pytest.raises(InvalidArgument, match="expected key=value"):
+            parse_options(bad)
+
+
+def test_mount_options_are_validated(namespace: Namespace, dataset: Path) -> None:
+    with pytest.raises(InvalidArgument, match="unknown option"):
+        namespace.add_mount("/data", f"file://{dataset}", {"speed": "fast"})
+    with pytest.raises(InvalidArgument, match="exclude each other"):
+        namespace.add_mount("/data", f"file://{dataset}", immutable=True, max_age=5)
+    with pytest.raises(InvalidArgument, match="cannot mount at /"):
+        namespace.add_mount("/", f"file://{dataset}")
+    assert namespace.mounts() == []
+
+
+def test_large_directory_listing(namespace: Namespace, tmp_path: Path) -> None:
+    root = tmp_path / "many"
+    (root / "d").mkdir(parents=True)
+    for i in range(2500):
+        fd = os.open(root / "d" / f"{i:05d}", os.O_CREAT | os.O_WRONLY)
+        os.close(fd)
+    _, stats = namespace.add_mount("/many", f"file://{root}")
+    assert stats.files == 2500
+    names = [s.path.rsplit("/", 1)[1] for s in namespace.ls("/many/d")]
+    assert names == [f"{i:05d}" for i in range(2500)]

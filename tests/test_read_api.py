@@ -1,0 +1,147 @@
+"""The read API over every real source kind: file://, S3 on moto, HTTP on nginx."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import gpufeed
+from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing
+from gpufeed.namespace import Namespace
+from tests.conftest import Bucket, HttpServer
+
+CONTENT = {f"dir/{i}.bin": os.urandom(1000 + 37 * i) for i in range(5)} | {"empty": b"", "top.txt": b"hello"}
+
+
+def _file_source(tmp_path: Path) -> tuple[str, dict[str, str], Callable[[str, bytes | None], None]]:
+    root = tmp_path / "src"
+
+    def put(key: str, data: bytes | None) -> None:
+        path = root / key
+        if data is None:
+            path.unlink()
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            stat = path.stat()
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))
+
+    for key, data in CONTENT.items():
+        put(key, data)
+    return f"file://{root}", {}, put
+
+
+@pytest.fixture(params=["file", "s3", "http"])
+def source(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, str], Callable[[str, bytes | None], None]]:
+    """(url, options, put) where put(key, bytes) writes and put(key, None) deletes at the source."""
+    if request.param == "file":
+        return _file_source(tmp_path)
+    if request.param == "s3":
+        bucket: Bucket = request.getfixturevalue("bucket")
+
+        def put(key: str, data: bytes | None) -> None:
+            bucket.put(f"prefix/{key}", data) if data is not None else bucket.delete(f"prefix/{key}")
+
+        for key, data in CONTENT.items():
+            put(key, data)
+        bucket.put("outside-prefix", b"not mounted")
+        return f"{bucket.url}/prefix", {"endpoint": bucket.endpoint}, put
+    server: HttpServer = request.getfixturevalue("nginx")
+    sub = f"site-{tmp_path.name}"
+    url, _, put_file = _file_source(tmp_path)
+    shutil.copytree(url.removeprefix("file://"), server.root / sub)
+
+    def put(key: str, data: bytes | None) -> None:
+        path = server.root / sub / key
+        if data is None:
+            path.unlink()
+        else:
+            path.write_bytes(data)
+            stat = path.stat()  # HTTP versions have 1 s granularity (Last-Modified): move to a later second
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10_000_000_000))
+
+    return f"{server.url}/{sub}", {}, put
+
+
+@pytest.fixture
+def mounted(source: tuple[str, dict[str, str], Callable], monkeypatch: pytest.MonkeyPatch) -> Callable[[str, bytes | None], None]:
+    url, options, put = source
+    Namespace().add_mount("/data", url, options)
+    return put
+
+
+def test_manifest_matches_source(mounted: Callable) -> None:
+    files = {s.path: s.size for s in gpufeed.walk("/data")}
+    assert files == {f"/data/{k}": len(v) for k, v in CONTENT.items()}
+    assert [s.path for s in gpufeed.ls("/data")] == ["/data/dir", "/data/empty", "/data/top.txt"]
+
+
+def test_read_whole_ranges_and_past_end(mounted: Callable) -> None:
+    for key, data in CONTENT.items():
+        assert gpufeed.read(f"/data/{key}") == data
+    data = CONTENT["dir/3.bin"]
+    assert gpufeed.read("/data/dir/3.bin", 10, 100) == data[10:110]
+    assert gpufeed.read("/data/dir/3.bin", len(data) - 5, 100) == data[-5:]
+    assert gpufeed.read("/data/dir/3.bin", len(data) + 5, 10) == b""
+    with pytest.raises(InvalidArgument):
+        gpufeed.read("/data/dir/3.bin", -1, 10)
+
+
+def test_open_read_readinto_seek_tell(mounted: Callable) -> None:
+    data = CONTENT["dir/4.bin"]
+    with gpufeed.open("/data/dir/4.bin") as f:
+        assert f.size == len(data)
+        assert f.read(10) == data[:10]
+        assert f.tell() == 10
+        buffer = bytearray(100)
+        assert f.readinto(buffer) == 100
+        assert bytes(buffer) == data[10:110]
+        assert f.seek(-20, os.SEEK_END) == len(data) - 20
+        assert f.read() == data[-20:]
+        assert f.read() == b""
+        f.seek(5)
+        f.seek(5, os.SEEK_CUR)
+        assert f.read(3) == data[10:13]
+        with pytest.raises(ValueError):
+            f.seek(-1)
+    with pytest.raises(ValueError):
+        f.read()
+
+
+def test_deleted_at_source_is_a_clear_error(mounted: Callable) -> None:
+    mounted("dir/1.bin", None)
+    with pytest.raises(ObjectMissing, match=r"/data/dir/1.bin: deleted at the source .* 'gpufeed mount refresh /data'"):
+        gpufeed.read("/data/dir/1.bin")
+
+
+def test_changed_at_source_never_mixes_versions(mounted: Callable) -> None:
+    with gpufeed.open("/data/dir/2.bin") as f:
+        first = f.read(100)
+        mounted("dir/2.bin", b"X" * len(CONTENT["dir/2.bin"]))
+        with pytest.raises(ObjectChanged, match="/data/dir/2.bin: changed at the source"):
+            f.read(100)
+    assert first == CONTENT["dir/2.bin"][:100]
+    with pytest.raises(ObjectChanged):
+        gpufeed.read("/data/dir/2.bin")
+
+
+def test_refresh_makes_new_version_readable(mounted: Callable) -> None:
+    mounted("top.txt", b"new contents")
+    _, stats = Namespace().refresh("/data")
+    assert stats.changed == 1
+    assert gpufeed.read("/data/top.txt") == b"new contents"
+
+
+def test_max_age_revalidates_on_open(source: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    url, options, put = source
+    ns = Namespace()
+    ns.add_mount("/data", url, options, max_age=0)
+    put("top.txt", b"fresh!")
+    time.sleep(0.01)
+    assert gpufeed.read("/data/top.txt") == b"fresh!"
+    assert gpufeed.stat("/data/top.txt").size == 6, "manifest entry updated"
