@@ -166,3 +166,21 @@ def test_large_directory_listing(namespace: Namespace, tmp_path: Path) -> None:
     assert stats.files == 2500
     names = [s.path.rsplit("/", 1)[1] for s in namespace.ls("/many/d")]
     assert names == [f"{i:05d}" for i in range(2500)]
+
+
+def test_lookups_follow_a_refresh_that_dropped_their_generation(
+    namespace: Namespace, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that resolved a mount just before another process refreshed it still finds files."""
+    stale, _ = namespace.add_mount("/data", f"file://{dataset}")
+    other = Namespace(namespace.settings)
+    other.refresh("/data")
+    other.close()
+    real_mounts = namespace.mounts
+    calls = iter([[stale]])
+    monkeypatch.setattr(namespace, "mounts", lambda: next(calls, None) or real_mounts())
+    assert namespace.stat("/data/train/cats/1.jpg").size == 1001
+    calls = iter([[stale]])
+    assert len(namespace.ls("/data/train/cats")) == 3
+    calls = iter([[stale]])
+    assert len(namespace.ls("/data")) == 3

@@ -25,7 +25,7 @@ from gpufeed.meta import MetaEngine, Mount, open_engine
 from gpufeed.meta.base import Entry
 from gpufeed.meta.manifest import ManifestStats, write_manifest
 from gpufeed.sources import Source, open_source
-from gpufeed.sources.base import ObjectInfo
+from gpufeed.sources.base import ObjectInfo, version_string
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +36,15 @@ class FileStat:
     is_dir: bool
     size: int = 0
     mtime: float = 0.0
-    version: str | None = None
+    etag: str | None = None
+
+    @property
+    def version(self) -> str | None:
+        return None if self.is_dir else version_string(self.size, self.mtime, self.etag)
+
+    @classmethod
+    def of(cls, path: str, entry: Entry) -> FileStat:
+        return cls(path, bool(entry.is_dir), entry.size, entry.mtime, entry.etag)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,22 +157,29 @@ class Namespace:
             return None
         raise PathNotFound(f"{path}: no mount contains this path (see 'gpufeed mount ls')")
 
-    def _entry(self, path: str, where: Resolved) -> Entry:
+    def _switched(self, where: Resolved) -> Resolved | None:
+        """`where` against the mount's current generation, if a refresh switched it since `where`
+        was resolved (the old generation may already be dropped); None when nothing changed."""
+        current = next((m for m in self.mounts() if m.path == where.mount.path), None)
+        if current is None or current.generation == where.mount.generation:
+            return None
+        return Resolved(current, where.key)
+
+    def _entry(self, path: str, where: Resolved) -> tuple[Entry, Resolved]:
         parent, name = where.split
         entry = self.engine.lookup(where.mount.generation, parent, name)
+        if entry is None and (switched := self._switched(where)) is not None:
+            where, entry = switched, self.engine.lookup(switched.mount.generation, parent, name)
         if entry is None:
             raise PathNotFound(f"{path}: no such file in mount {where.mount.path} ({where.mount.url})")
-        return entry
+        return entry, where
 
     def stat(self, path: str) -> FileStat:
         path = normalize(path)
         where = self.resolve(path)
         if where is None or where.key == "":
             return FileStat(path, True)
-        entry = self._entry(path, where)
-        if entry.is_dir:
-            return FileStat(path, True)
-        return FileStat(path, False, entry.size, entry.mtime, entry.object_info().version)
+        return FileStat.of(path, self._entry(path, where)[0])
 
     def ls(self, path: str) -> list[FileStat]:
         path = normalize(path)
@@ -174,13 +189,14 @@ class Namespace:
             children = sorted({m.path[len(base) + 1 :].split("/")[0] for m in self.mounts() if m.path.startswith(base + "/")})
             return [FileStat(f"{base}/{name}", True) for name in children]
         if where.key:
-            entry = self._entry(path, where)
+            entry, where = self._entry(path, where)
             if not entry.is_dir:
-                return [FileStat(path, False, entry.size, entry.mtime, entry.object_info().version)]
-        return [
-            FileStat(f"{base}/{e.name}", e.is_dir, e.size, e.mtime, None if e.is_dir else e.object_info().version)
-            for e in self.engine.listdir(where.mount.generation, where.key)
-        ]
+                return [FileStat.of(path, entry)]
+        entries = self.engine.listdir(where.mount.generation, where.key)
+        if not entries and (switched := self._switched(where)) is not None:
+            entries = self.engine.listdir(switched.mount.generation, where.key)
+        prefix = base + "/"
+        return [FileStat.of(prefix + e.name, e) for e in entries]
 
     def walk(self, path: str) -> Iterator[FileStat]:
         """Every file under `path` (or `path` itself when it is a file)."""
@@ -193,12 +209,12 @@ class Namespace:
                     yield from self.walk(mount.path)
             return
         if where.key:
-            entry = self._entry(path, where)
+            entry, where = self._entry(path, where)
             if not entry.is_dir:
-                yield FileStat(path, False, entry.size, entry.mtime, entry.object_info().version)
+                yield FileStat.of(path, entry)
                 return
         for e in self.engine.walk(where.mount.generation, where.key):
-            yield FileStat(f"{where.mount.path}/{e.key}", False, e.size, e.mtime, e.object_info().version)
+            yield FileStat.of(f"{where.mount.path}/{e.key}", e)
 
     def open_object(self, path: str) -> tuple[Resolved, Source, ObjectInfo]:
         """Pin the version a read will use. With --max-age, a manifest older than the limit is
@@ -207,7 +223,7 @@ class Namespace:
         where = self.resolve(path)
         if where is None or where.key == "":
             raise IsADirectory(f"{path}: is a directory")
-        entry = self._entry(path, where)
+        entry, where = self._entry(path, where)
         if entry.is_dir:
             raise IsADirectory(f"{path}: is a directory")
         mount, source, info = where.mount, self.source(where.mount), entry.object_info()

@@ -7,10 +7,14 @@ write, so readers see the old manifest or the new one, never half of each.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+from gpufeed.errors import MetadataError
 
 from gpufeed.sources.base import ObjectInfo
 
@@ -36,7 +40,7 @@ class Mount:
 
 
 class Entry(NamedTuple):
-    """One manifest row. Directories have is_dir=True and no size or version."""
+    """One manifest row. Directories have a true is_dir (SQLite gives 1) and no size or version."""
 
     parent: str
     name: str
@@ -88,3 +92,40 @@ class MetaEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+EngineT = TypeVar("EngineT")
+
+
+def engine_errors(*error_types: type[BaseException]) -> Callable[[type[EngineT]], type[EngineT]]:
+    """Class decorator: a driver error in any public method (or while iterating a generator
+    method) becomes a MetadataError naming the engine's URL, so users see one clear line."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.isgeneratorfunction(method):
+
+            @functools.wraps(method)
+            def generator(self: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+                try:
+                    yield from method(self, *args, **kwargs)
+                except error_types as exc:
+                    raise MetadataError(f"metadata engine {self.url}: {exc}") from exc
+
+            return generator
+
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except error_types as exc:
+                raise MetadataError(f"metadata engine {self.url}: {exc}") from exc
+
+        return call
+
+    def decorate(cls: type[EngineT]) -> type[EngineT]:
+        for name, member in list(vars(cls).items()):
+            if inspect.isfunction(member) and not name.startswith("_"):
+                setattr(cls, name, wrap(member))
+        return cls
+
+    return decorate

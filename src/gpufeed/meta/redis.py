@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import redis
 
 from gpufeed.errors import MetadataError, MountConflict
-from gpufeed.meta.base import Entry, Mount
+from gpufeed.meta.base import Entry, Mount, engine_errors
 
 PIPELINE_CHUNK = 500
 
@@ -36,6 +36,7 @@ def _decode(parent: str, name: str, raw: str) -> Entry:
     return Entry(parent, name, False, int(size), float(mtime), etag or None)
 
 
+@engine_errors(redis.RedisError)
 class RedisEngine:
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from gpufeed.errors import MetadataError, MountConflict
-from gpufeed.meta.base import Entry, Mount
+from gpufeed.meta.base import Entry, Mount, engine_errors
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS mounts (
@@ -41,10 +41,10 @@ CREATE TABLE IF NOT EXISTS counters (
 _COLUMNS = "parent, name, is_dir, size, mtime, etag"
 
 
-def _entry(row: tuple) -> Entry:
-    return Entry(row[0], row[1], bool(row[2]), row[3], row[4], row[5])
+_entry = Entry._make  # rows come back in Entry's field order; is_dir is 0/1, which compares as bool
 
 
+@engine_errors(sqlite3.OperationalError, sqlite3.DatabaseError)
 class SqliteEngine:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -118,7 +118,7 @@ class SqliteEngine:
             f"SELECT {_COLUMNS} FROM entries WHERE generation = ? AND parent = ? ORDER BY name",
             (generation, parent),
         ).fetchall()
-        return [_entry(r) for r in rows]
+        return list(map(_entry, rows))
 
     def walk(self, generation: int, prefix: str) -> Iterator[Entry]:
         if prefix:

@@ -24,7 +24,12 @@ class ObjectInfo:
 
     @property
     def version(self) -> str:
-        return self.etag or f"{int(self.mtime * 1e6):x}-{self.size:x}"
+        return version_string(self.size, self.mtime, self.etag)
+
+
+def version_string(size: int, mtime: float, etag: str | None) -> str:
+    """The ETag when the store has one, else modification time (µs) and size."""
+    return etag or f"{int(mtime * 1e6):x}-{size:x}"
 
 
 class Source(Protocol):
