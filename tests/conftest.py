@@ -194,10 +194,29 @@ def nginx(server_dir: Path) -> Iterator[HttpServer]:
     _stop(process)
 
 
+def stop_agent(cache_dir: Path) -> None:
+    """Shut down the agent serving `cache_dir`, if one runs, and wait until it is gone."""
+    from gpufeed.agent import protocol
+    from gpufeed.agent.client import connect
+
+    sock = connect(cache_dir)
+    if sock is None:
+        return
+    with sock:
+        sock.sendall(protocol.encode({"op": "shutdown"}))
+        protocol.recv(sock)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (probe := connect(cache_dir)) is not None:
+        probe.close()
+        time.sleep(0.02)
+
+
 @pytest.fixture(autouse=True)
-def gpufeed_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Every test gets its own GPUFEED_HOME and the SQLite engine unless it asks otherwise."""
+def gpufeed_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every test gets its own GPUFEED_HOME (and so its own cache and agent) and the SQLite
+    engine unless it asks otherwise; the agent a test started is stopped after it."""
     home = tmp_path / "gpufeed-home"
+    monkeypatch.setenv("GPUFEED_AGENT_IDLE_TIMEOUT", "30")
     monkeypatch.setenv("GPUFEED_HOME", str(home))
     monkeypatch.delenv("GPUFEED_META", raising=False)
     monkeypatch.setenv("GPUFEED_CONNECT_TIMEOUT", "2")
@@ -207,7 +226,9 @@ def gpufeed_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     import gpufeed
 
     gpufeed._default = None
-    return home
+    yield home
+    gpufeed._default = None
+    stop_agent(home / "cache")
 
 
 @pytest.fixture(params=["sqlite", "redis"])

@@ -61,9 +61,10 @@ def source(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[st
         if data is None:
             path.unlink()
         else:
+            before = path.stat().st_mtime_ns if path.exists() else 0
             path.write_bytes(data)
             stat = path.stat()  # HTTP versions have 1 s granularity (Last-Modified): move to a later second
-            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10_000_000_000))
+            os.utime(path, ns=(stat.st_atime_ns, max(stat.st_mtime_ns, before) + 10_000_000_000))
 
     return f"{server.url}/{sub}", {}, put
 
@@ -119,15 +120,35 @@ def test_deleted_at_source_is_a_clear_error(mounted: Callable) -> None:
         gpufeed.read("/data/dir/1.bin")
 
 
-def test_changed_at_source_never_mixes_versions(mounted: Callable) -> None:
+def test_changed_at_source_never_mixes_versions_uncached(source: tuple) -> None:
+    url, options, put = source
+    Namespace().add_mount("/data", url, {**options, "cache": "off"})
     with gpufeed.open("/data/dir/2.bin") as f:
         first = f.read(100)
-        mounted("dir/2.bin", b"X" * len(CONTENT["dir/2.bin"]))
+        put("dir/2.bin", b"X" * len(CONTENT["dir/2.bin"]))
         with pytest.raises(ObjectChanged, match="/data/dir/2.bin: changed at the source"):
             f.read(100)
     assert first == CONTENT["dir/2.bin"][:100]
     with pytest.raises(ObjectChanged):
         gpufeed.read("/data/dir/2.bin")
+
+
+def test_changed_at_source_never_mixes_versions_cached(source: tuple) -> None:
+    """Cached blocks belong to the manifest's version: an open file keeps reading that version
+    while it is cached, and a block not yet cached fails instead of mixing in new bytes."""
+    url, options, put = source
+    big = os.urandom(5 * 4096 + 123)
+    put("big.bin", big)
+    Namespace().add_mount("/data", url, {**options, "block_size": "4KiB"})
+    with gpufeed.open("/data/big.bin") as f:
+        assert f.read(100) == big[:100]
+        put("big.bin", os.urandom(len(big)))
+        assert f.read(4000 - 100) == big[100:4000], "block 0 is cached: same version"
+        f.seek(3 * 4096)
+        with pytest.raises(ObjectChanged, match="/data/big.bin: changed at the source"):
+            f.read(100)
+    Namespace().refresh("/data")
+    assert gpufeed.read("/data/big.bin") != big
 
 
 def test_refresh_makes_new_version_readable(mounted: Callable) -> None:

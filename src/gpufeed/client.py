@@ -1,31 +1,44 @@
-"""The read path: namespace path → (mount, key, pinned version) → bytes.
+"""The read path: namespace path → (mount, key, pinned version) → blocks → cache hit or agent fetch.
 
-Every reader (Python API, CLI, and later fsspec, PyTorch datasets, FUSE, warmup, the
-benchmark) fetches bytes through `Client.read_range`; the node cache plugs in there.
+Every reader (Python API, CLI, fsspec, and later PyTorch datasets, FUSE, warmup, the
+benchmark) fetches bytes through `Client.read_range`. A hit is an open+pread of a published
+block file in this process, with no round trip; misses go to the node agent in one batched
+request; when the agent cannot cache (disk full, no agent) the bytes come from the source.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from gpufeed.agent.client import AgentClient, AgentUnavailable, HitReporter
+from gpufeed.agent.server import error_from
+from gpufeed.cache import blockfile
+from gpufeed.cache.layout import BlockRef, CorruptBlock, object_id
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing
 from gpufeed.meta import Mount
-from gpufeed.namespace import FileStat, Namespace
+from gpufeed.namespace import CachePolicy, FileStat, Namespace, source_identity, source_options
 from gpufeed.sources import ObjectInfo, Source
+
+log = logging.getLogger("gpufeed")
+
 
 
 @dataclass(frozen=True, slots=True)
 class ObjectHandle:
-    """One object at one version: every read through a handle sees the same bytes."""
+    """One object at one version: every read through a handle sees the same bytes.
+    `blocks` is None when the mount does not cache (or no agent could be had)."""
 
     path: str
     mount: Mount
     source: Source
     info: ObjectInfo
+    blocks: BlockRef | None = None
 
     @property
     def size(self) -> int:
@@ -35,32 +48,146 @@ class ObjectHandle:
 class Client:
     def __init__(self, settings: Settings | None = None, namespace: Namespace | None = None) -> None:
         self.namespace = namespace or Namespace(settings)
+        self.settings = self.namespace.settings
+        self.agent = AgentClient(self.settings)
+        self.hits = HitReporter(self.agent)
+        weakref.finalize(self, self.hits.flush)
+        self._warned: set[str] = set()
 
     def close(self) -> None:
+        self.hits.flush()
         self.namespace.close()
+
+    def _warn_once(self, topic: str, message: str) -> None:
+        if topic not in self._warned:
+            self._warned.add(topic)
+            log.warning("gpufeed: warning: %s", message)
+
+    def _cache_dirs(self) -> tuple | None:
+        try:
+            return self.agent.dirs
+        except AgentUnavailable as exc:
+            self._warn_once("agent", f"{exc}; reading without the cache")
+            return None
 
     def handle(self, path: str) -> ObjectHandle:
         where, source, info = self.namespace.open_object(path)
-        return ObjectHandle(f"{where.mount.path}/{where.key}", where.mount, source, info)
+        mount = where.mount
+        policy = CachePolicy.of(mount, self.settings)
+        blocks = None
+        if policy.enabled and info.size > 0 and (dirs := self._cache_dirs()) is not None:
+            oid = object_id(source_identity(mount.url, mount.options), info.key, info.version, policy.block_size)
+            blocks = BlockRef(oid, dirs, policy.block_size, info.size, policy.verify)
+        return ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, blocks)
+
+    def _explain(self, handle: ObjectHandle, exc: Exception) -> Exception:
+        """Name the namespace path and the way out in a source error about one object."""
+        if isinstance(exc, (ObjectMissing, ObjectChanged)):
+            what = "deleted" if isinstance(exc, ObjectMissing) else "changed"
+            return type(exc)(
+                f"{handle.path}: {what} at the source since mount {handle.mount.path} was listed "
+                f"({exc}); run 'gpufeed mount refresh {handle.mount.path}'"
+            )
+        return exc
+
+    def _direct(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
+        expect = None if handle.mount.immutable else handle.info
+        try:
+            return handle.source.get_range(handle.info.key, start, end, expect)
+        except (ObjectMissing, ObjectChanged) as exc:
+            raise self._explain(handle, exc) from exc
 
     def read_range(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
         """Bytes [start, end) of the pinned version, clipped to the object's size."""
         end = min(end, handle.size)
         if end <= start:
             return memoryview(b"")
-        expect = None if handle.mount.immutable else handle.info
+        ref = handle.blocks
+        if ref is None:
+            return self._direct(handle, start, end)
+        size = ref.block_size
+        first, last = start // size, (end - 1) // size
+        pieces: dict[int, memoryview] = {}
+        missing: list[int] = []
+        repair: list[int] = []
+        for index in range(first, last + 1):
+            lo, hi = max(start, index * size) - index * size, min(end, (index + 1) * size) - index * size
+            try:
+                pieces[index] = blockfile.read(ref, index, lo, hi)
+            except FileNotFoundError:
+                missing.append(index)
+            except CorruptBlock:
+                missing.append(index)
+                repair.append(index)
+        if pieces:
+            self.hits.record(ref.oid, pieces)
+        if missing:
+            uncached = self._fetch(handle, missing, repair)
+            for index in missing:
+                lo, hi = max(start, index * size) - index * size, min(end, (index + 1) * size) - index * size
+                if index not in uncached:
+                    try:
+                        pieces[index] = blockfile.read(ref, index, lo, hi)
+                        continue
+                    except (FileNotFoundError, CorruptBlock):
+                        pass  # evicted already (quota smaller than the working set): read through
+                pieces[index] = self._direct(handle, index * size + lo, index * size + hi)
+        if first == last:
+            return pieces[first]
+        out = bytearray(end - start)
+        position = 0
+        for index in range(first, last + 1):
+            piece = pieces[index]
+            out[position : position + len(piece)] = piece
+            position += len(piece)
+        return memoryview(out)
+
+    def _fetch(self, handle: ObjectHandle, blocks: list[int], repair: list[int]) -> set[int]:
+        """Ask the agent to publish `blocks`; returns those it could not cache."""
+        info, mount = handle.info, handle.mount
+        assert handle.blocks is not None
+        message = {
+            "op": "fetch",
+            "source": {"url": mount.url, "options": source_options(mount)},
+            "objects": [
+                {
+                    "key": info.key,
+                    "size": info.size,
+                    "mtime": info.mtime,
+                    "etag": info.etag,
+                    "check": not mount.immutable,
+                    "block_size": handle.blocks.block_size,
+                    "blocks": blocks,
+                    "repair": repair,
+                }
+            ],
+        }
         try:
-            return handle.source.get_range(handle.info.key, start, end, expect)
-        except ObjectMissing as exc:
-            raise ObjectMissing(
-                f"{handle.path}: deleted at the source since mount {handle.mount.path} was listed "
-                f"({exc}); run 'gpufeed mount refresh {handle.mount.path}'"
-            ) from exc
-        except ObjectChanged as exc:
-            raise ObjectChanged(
-                f"{handle.path}: changed at the source since mount {handle.mount.path} was listed "
-                f"({exc}); run 'gpufeed mount refresh {handle.mount.path}'"
-            ) from exc
+            reply = self.agent.request(message)
+        except AgentUnavailable as exc:
+            self._warn_once("agent", f"{exc}; reading without the cache")
+            return set(blocks)
+        if reply.get("errors"):
+            raise self._explain(handle, error_from(reply["errors"][0]))
+        uncached = {index for _, index in reply.get("uncached", ())}
+        if uncached:
+            self._warn_once("uncached", f"the cache in {self.agent.primary} cannot hold more blocks; reading uncached")
+        return uncached
+
+    def cached_bytes(self, path: str) -> Iterator[tuple[FileStat, int]]:
+        """(file, bytes of it present in the cache) for every file under `path`; reads no data."""
+        dirs = self.settings.cache_dirs
+        for item in self.namespace.walk(path):
+            where = self.namespace.resolve(item.path)
+            assert where is not None and item.version is not None
+            policy = CachePolicy.of(where.mount, self.settings)
+            if not policy.enabled:
+                yield item, 0
+                continue
+            identity = source_identity(where.mount.url, where.mount.options)
+            ref = BlockRef(object_id(identity, where.key, item.version, policy.block_size), dirs, policy.block_size, item.size, False)
+            count = -(-item.size // policy.block_size)
+            yield item, sum(ref.length(i) for i in range(count) if ref.path(i).exists())
 
     def open(self, path: str) -> FeedFile:
         return FeedFile(self, self.handle(path))

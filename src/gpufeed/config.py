@@ -7,8 +7,23 @@ child processes can change the environment and get a fresh view.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """'4MiB', '100GB', '512k', '1048576' → bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        from gpufeed.errors import InvalidArgument
+
+        raise InvalidArgument(f"{what} {text!r}: expected a size such as 4MiB, 100GB or 1048576")
+    return int(float(match.group(1)) * unit)
 
 
 def _float_env(name: str, default: float) -> float:
@@ -33,6 +48,14 @@ class Settings:
         (`GPUFEED_CONNECT_TIMEOUT`, `GPUFEED_REQUEST_TIMEOUT`), so an unreachable
         endpoint fails instead of hanging.
     retry_timeout: seconds a request may spend in retries (`GPUFEED_RETRY_TIMEOUT`).
+    cache_dirs: `GPUFEED_CACHE_DIRS` (':'-separated), default `home/cache`; the first one names
+        the node agent that owns them all.
+    cache_size: `GPUFEED_CACHE_SIZE` quota, default 100GiB, always bounded by free space.
+    cache_free_ratio: `GPUFEED_CACHE_FREE_RATIO`, fraction of the filesystem kept free (0.1).
+    block_size: `GPUFEED_BLOCK_SIZE` default block size of new mounts (4MiB).
+    verify: `GPUFEED_VERIFY` = always | never: checksum every cached read, or trust the disk.
+    agent_idle_timeout: seconds an auto-started agent waits with no clients before it exits
+        (`GPUFEED_AGENT_IDLE_TIMEOUT`, 300).
     """
 
     home: Path
@@ -40,14 +63,35 @@ class Settings:
     connect_timeout: float
     request_timeout: float
     retry_timeout: float
+    cache_dirs: tuple[Path, ...]
+    cache_size: int
+    cache_free_ratio: float
+    block_size: int
+    verify: bool
+    agent_idle_timeout: float
 
     @classmethod
     def from_env(cls) -> Settings:
         home = Path(os.environ.get("GPUFEED_HOME") or Path.home() / ".gpufeed").expanduser()
+        dirs = os.environ.get("GPUFEED_CACHE_DIRS", "")
         return cls(
             home=home,
             meta_url=os.environ.get("GPUFEED_META", ""),
             connect_timeout=_float_env("GPUFEED_CONNECT_TIMEOUT", 5.0),
             request_timeout=_float_env("GPUFEED_REQUEST_TIMEOUT", 60.0),
             retry_timeout=_float_env("GPUFEED_RETRY_TIMEOUT", 15.0),
+            cache_dirs=tuple(Path(d).expanduser() for d in dirs.split(":") if d) if dirs else (home / "cache",),
+            cache_size=parse_size(os.environ.get("GPUFEED_CACHE_SIZE") or "100GiB", "GPUFEED_CACHE_SIZE"),
+            cache_free_ratio=_float_env("GPUFEED_CACHE_FREE_RATIO", 0.1),
+            block_size=parse_size(os.environ.get("GPUFEED_BLOCK_SIZE") or "4MiB", "GPUFEED_BLOCK_SIZE"),
+            verify=parse_verify(os.environ.get("GPUFEED_VERIFY") or "always", "GPUFEED_VERIFY"),
+            agent_idle_timeout=_float_env("GPUFEED_AGENT_IDLE_TIMEOUT", 300.0),
         )
+
+
+def parse_verify(text: str, what: str = "verify") -> bool:
+    if text in ("always", "never"):
+        return text == "always"
+    from gpufeed.errors import InvalidArgument
+
+    raise InvalidArgument(f"{what}={text!r}: expected always or never")

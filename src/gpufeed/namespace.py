@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from gpufeed.config import Settings
+from gpufeed.config import Settings, parse_size, parse_verify
 from gpufeed.errors import (
     InvalidArgument,
     IsADirectory,
@@ -58,6 +58,40 @@ class Resolved:
     def split(self) -> tuple[str, str]:
         parent, _, name = self.key.rpartition("/")
         return parent, name
+
+
+CACHE_OPTIONS = ("cache", "block_size", "verify")
+"""Mount options the read path consumes; every other option belongs to the source."""
+
+
+@dataclass(frozen=True, slots=True)
+class CachePolicy:
+    """How a mount's reads use the node cache: `cache=on|off`, `block_size=4MiB`, `verify=always|never`."""
+
+    enabled: bool
+    block_size: int
+    verify: bool
+
+    @classmethod
+    def of(cls, mount: Mount, settings: Settings) -> CachePolicy:
+        options = mount.options
+        cache = options.get("cache", "on")
+        if cache not in ("on", "off"):
+            raise InvalidArgument(f"{mount.path}: option cache={cache!r}: expected on or off")
+        block_size = parse_size(options["block_size"], "option block_size") if "block_size" in options else settings.block_size
+        if not 4096 <= block_size <= 1 << 30:
+            raise InvalidArgument(f"{mount.path}: block_size {block_size} must be between 4KiB and 1GiB")
+        verify = parse_verify(options["verify"], "option verify") if "verify" in options else settings.verify
+        return cls(cache == "on", block_size, verify)
+
+
+def source_options(mount: Mount) -> dict[str, str]:
+    return {k: v for k, v in mount.options.items() if k not in CACHE_OPTIONS}
+
+
+def source_identity(url: str, options: dict[str, str]) -> str:
+    """What names a source in block keys: its URL and, for S3-compatible stores, the endpoint."""
+    return f"{url}|{options.get('endpoint', '')}"
 
 
 def normalize(path: str) -> str:
@@ -123,6 +157,7 @@ class Namespace:
             if path == other.path or path.startswith(other.path + "/") or other.path.startswith(path + "/"):
                 raise MountConflict(f"cannot mount {url} at {path}: it overlaps the mount {other.path} ({other.url})")
         mount = Mount(path, url, dict(options or {}), immutable=immutable, max_age=max_age)
+        CachePolicy.of(mount, self.settings)
         return write_manifest(self.engine, mount, self.source(mount), create=True)
 
     def refresh(self, path: str) -> tuple[Mount, ManifestStats]:
@@ -139,7 +174,7 @@ class Namespace:
         cache_key = (mount.url, repr(sorted(mount.options.items())))
         source = self._sources.get(cache_key)
         if source is None:
-            source = self._sources[cache_key] = open_source(mount.url, mount.options, self.settings)
+            source = self._sources[cache_key] = open_source(mount.url, source_options(mount), self.settings)
         return source
 
     # -- lookups --------------------------------------------------------------------------

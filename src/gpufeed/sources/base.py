@@ -49,6 +49,10 @@ class Source(Protocol):
         object still has that version, so bytes of two versions never mix."""
         ...
 
+    async def get_range_async(self, key: str, start: int, end: int, expect: ObjectInfo | None = None) -> memoryview:
+        """`get_range` for the agent's event loop; the I/O runs without the GIL."""
+        ...
+
 
 def parse_bool(name: str, raw: str) -> bool:
     lowered = raw.strip().lower()

@@ -114,17 +114,33 @@ class ObstoreSource:
         except (obx.BaseError, OSError) as exc:
             raise self.translate(exc, key) from exc
 
-    def get_range(self, key: str, start: int, end: int, expect: ObjectInfo | None = None) -> memoryview:
+    @staticmethod
+    def _get_options(start: int, end: int, expect: ObjectInfo | None) -> dict[str, Any]:
         options: dict[str, Any] = {"range": (start, end)}
         if expect is not None:
             if expect.etag:
                 options["if_match"] = expect.etag
             elif expect.mtime > 0:
                 options["if_unmodified_since"] = datetime.fromtimestamp(expect.mtime, timezone.utc)
+        return options
+
+    @staticmethod
+    def _check_size(result: Any, expect: ObjectInfo | None) -> None:
+        if expect is not None and result.meta["size"] != expect.size:
+            raise obx.PreconditionError(f"size {result.meta['size']} != {expect.size}")
+
+    def get_range(self, key: str, start: int, end: int, expect: ObjectInfo | None = None) -> memoryview:
         try:
-            result = obstore.get(self.store, key, options=options)
-            if expect is not None and result.meta["size"] != expect.size:
-                raise obx.PreconditionError(f"size {result.meta['size']} != {expect.size}")
+            result = obstore.get(self.store, key, options=self._get_options(start, end, expect))
+            self._check_size(result, expect)
             return memoryview(result.bytes())
+        except (obx.BaseError, OSError) as exc:
+            raise self.translate(exc, key) from exc
+
+    async def get_range_async(self, key: str, start: int, end: int, expect: ObjectInfo | None = None) -> memoryview:
+        try:
+            result = await obstore.get_async(self.store, key, options=self._get_options(start, end, expect))
+            self._check_size(result, expect)
+            return memoryview(await result.bytes_async())
         except (obx.BaseError, OSError) as exc:
             raise self.translate(exc, key) from exc

@@ -1,0 +1,168 @@
+"""A client's connection to the node agent; starts the agent on first use when none runs.
+
+Every thread of every process gets its own socket (DataLoader workers fork; threads must not
+interleave frames). If the agent dies mid-request, the request is sent again to a fresh agent:
+fetches are idempotent, so a `kill -9` costs a retry, not a failed read.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from gpufeed.agent import protocol
+from gpufeed.config import Settings
+from gpufeed.errors import GpufeedError
+
+HIT_REPORT_BATCH = 512
+HIT_REPORT_INTERVAL_S = 2.0
+START_TIMEOUT_S = 20.0
+ATTEMPTS = 4
+EXIT_ALREADY_RUNNING = 3
+
+
+class AgentUnavailable(GpufeedError):
+    """No agent could be reached or started for a cache dir."""
+
+
+def agent_command(settings: Settings, idle_timeout: float | None) -> list[str]:
+    argv = [sys.executable, "-m", "gpufeed", "agent"]
+    for directory in settings.cache_dirs:
+        argv += ["--cache-dir", str(directory)]
+    argv += ["--cache-size", str(settings.cache_size)]
+    if idle_timeout is not None:
+        argv += ["--idle-timeout", str(idle_timeout)]
+    return argv
+
+
+def spawn_agent(settings: Settings, idle_timeout: float | None) -> subprocess.Popen:
+    """Start an agent in its own session, logging to agent.log in the primary cache dir."""
+    primary = settings.cache_dirs[0]
+    primary.mkdir(parents=True, exist_ok=True)
+    with open(primary / "agent.log", "ab") as log:
+        return subprocess.Popen(
+            agent_command(settings, idle_timeout),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+
+
+def connect(primary: Path) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(protocol.address(primary))
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        return None
+    return sock
+
+
+def _log_tail(primary: Path) -> str:
+    try:
+        lines = (primary / "agent.log").read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return f": {lines[-1]}" if lines else ""
+
+
+class AgentClient:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.primary = settings.cache_dirs[0]
+        self._local = threading.local()
+        self._hello: dict[str, Any] | None = None
+
+    def _socket(self) -> socket.socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is not None and self._local.pid == os.getpid():
+            return sock
+        sock = self._connect_or_start()
+        self._local.sock, self._local.pid = sock, os.getpid()
+        return sock
+
+    def _drop(self) -> None:
+        sock = getattr(self._local, "sock", None)
+        if sock is not None and self._local.pid == os.getpid():
+            sock.close()
+        self._local.sock = None
+
+    def _connect_or_start(self) -> socket.socket:
+        sock = connect(self.primary)
+        if sock is not None:
+            return sock
+        try:
+            process = spawn_agent(self.settings, self.settings.agent_idle_timeout)
+        except OSError as exc:
+            raise AgentUnavailable(f"cannot start the agent for {self.primary}: {exc}") from exc
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            sock = connect(self.primary)
+            if sock is not None:
+                return sock
+            code = process.poll()
+            if code not in (None, 0, EXIT_ALREADY_RUNNING):
+                raise AgentUnavailable(f"the agent for {self.primary} exited with code {code}{_log_tail(self.primary)}")
+            time.sleep(0.01)
+        raise AgentUnavailable(f"the agent for {self.primary} did not start within {START_TIMEOUT_S:.0f} s")
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        data = protocol.encode(message)
+        failure: Exception | None = None
+        for _ in range(ATTEMPTS):
+            try:
+                sock = self._socket()
+                sock.sendall(data)
+                return protocol.recv(sock)
+            except OSError as exc:  # includes ConnectionError: the agent died; start another
+                self._drop()
+                failure = exc
+        raise AgentUnavailable(f"agent for {self.primary}: {failure}")
+
+    @property
+    def connected(self) -> bool:
+        """Whether this thread holds a live connection (hit reports never start an agent)."""
+        return getattr(self._local, "sock", None) is not None and self._local.pid == os.getpid()
+
+    def hello(self) -> dict[str, Any]:
+        if self._hello is None:
+            self._hello = self.request({"op": "hello"})
+        return self._hello
+
+    @property
+    def dirs(self) -> tuple[Path, ...]:
+        return tuple(Path(d) for d in self.hello()["dirs"])
+
+
+class HitReporter:
+    """Collects the blocks a process read from disk and tells the agent in batches, so eviction
+    knows what is hot without a round trip per hit. Never starts an agent just to report."""
+
+    def __init__(self, agent: AgentClient) -> None:
+        self.agent = agent
+        self._pending: list[str] = []
+        self._sent = time.monotonic()
+        self._lock = threading.Lock()
+
+    def record(self, oid: str, indices: Iterable[int]) -> None:
+        self._pending.extend(f"{oid}-{index}" for index in indices)
+        if len(self._pending) >= HIT_REPORT_BATCH or time.monotonic() - self._sent > HIT_REPORT_INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+            self._sent = time.monotonic()
+        if batch and self.agent.connected:
+            try:
+                self.agent.request({"op": "hits", "blocks": batch})
+            except AgentUnavailable:
+                pass  # only eviction hints are lost

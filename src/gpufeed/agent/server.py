@@ -1,0 +1,327 @@
+"""The node agent: the one process that writes a cache dir.
+
+It fetches missing blocks with high concurrency (async obstore), single-flight across every
+client (N processes wanting one block → one source GET), publishes them atomically, keeps the
+cache under its quota with S3-FIFO, and counts what happened. Clients read published blocks
+straight from disk; they come here only for misses and to report hits in batches.
+
+All state is rebuilt from the cache dir at start (`scan`), and the lock is an flock the kernel
+drops when the process dies, so a `kill -9` leaves nothing that blocks the next agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpufeed import errors
+from gpufeed.agent import protocol
+from gpufeed.cache import blockfile
+from gpufeed.cache.eviction import S3Fifo
+from gpufeed.cache.layout import block_path, object_id
+from gpufeed.config import Settings
+from gpufeed.errors import GpufeedError
+from gpufeed.sources import Source, open_source
+from gpufeed.namespace import source_identity
+from gpufeed.sources.base import ObjectInfo, version_string
+
+log = logging.getLogger("gpufeed.agent")
+
+FETCH_CONCURRENCY = 64
+HIGH_WATERMARK = 0.95
+LOW_WATERMARK = 0.85
+FULL_BACKOFF_S = 5.0
+FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    dirs: tuple[Path, ...]
+    cache_size: int
+    free_ratio: float
+    idle_timeout: float | None
+
+    @property
+    def primary(self) -> Path:
+        return self.dirs[0]
+
+
+class AgentLocked(Exception):
+    """Another agent already owns this cache dir."""
+
+
+def acquire_lock(primary: Path) -> int:
+    primary.mkdir(parents=True, exist_ok=True)
+    fd = os.open(primary / "agent.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise AgentLocked(str(primary)) from None
+    return fd
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, settings: Settings) -> None:
+        self.config = config
+        self.settings = settings
+        self.policy = S3Fifo()
+        self.sizes: dict[str, int] = {}
+        self.inflight: dict[str, asyncio.Future[str]] = {}
+        self.sources: dict[str, Source] = {}
+        self.stats: Counter[str] = Counter()
+        self.connections = 0
+        self.last_activity = time.monotonic()
+        self.full_until = 0.0
+        self.warned_full = False
+        self.started = time.time()
+        self._stop: asyncio.Event | None = None
+        self._fetch_slots: asyncio.Semaphore | None = None
+
+    # -- state on disk ----------------------------------------------------------------------
+
+    def scan(self) -> None:
+        """Rebuild the index from the block files; drop temp files a crashed agent left."""
+        for root in self.config.dirs:
+            shutil.rmtree(root / "tmp", ignore_errors=True)
+            (root / "tmp").mkdir(parents=True, exist_ok=True)
+            blocks = root / "blocks"
+            found: list[tuple[float, str, int]] = []
+            if blocks.is_dir():
+                for sub in os.scandir(blocks):
+                    for entry in os.scandir(sub.path):
+                        st = entry.stat()
+                        found.append((st.st_mtime, entry.name, st.st_size))
+            for _, name, size in sorted(found):
+                self.policy.insert(name, size)
+                self.sizes[name] = size
+
+    def limit(self) -> int:
+        """The quota, bounded by what the filesystem can hold while keeping free_ratio free."""
+        st = os.statvfs(self.config.primary)
+        free = st.f_bavail * st.f_frsize
+        reserve = self.config.free_ratio * st.f_blocks * st.f_frsize
+        return max(0, min(self.config.cache_size, int(self.policy.bytes + free - reserve)))
+
+    def _evict_to(self, goal: int) -> int:
+        freed = 0
+        for name in self.policy.victims(goal, frozenset(self.inflight)):
+            oid, _, index = name.rpartition("-")
+            block_path(self.config.dirs, oid, int(index)).unlink(missing_ok=True)
+            freed += self.sizes.pop(name, 0)
+            self.stats["evictions"] += 1
+        return freed
+
+    def _make_room(self) -> None:
+        limit = self.limit()
+        if self.policy.bytes > HIGH_WATERMARK * limit:
+            self._evict_to(int(LOW_WATERMARK * limit))
+
+    # -- fetching ---------------------------------------------------------------------------
+
+    def source(self, spec: dict[str, Any]) -> Source:
+        key = json.dumps(spec, sort_keys=True)
+        source = self.sources.get(key)
+        if source is None:
+            source = self.sources[key] = open_source(spec["url"], spec["options"], self.settings)
+        return source
+
+    async def block(self, source: Source, obj: dict[str, Any], index: int, repair: bool) -> str:
+        """Make block `index` of `obj` present; returns 'ok', or 'uncached' when the cache
+        cannot hold it (the client then reads the source itself)."""
+        oid = obj["oid"]
+        name = f"{oid}-{index}"
+        if index < 0 or index * obj["block_size"] >= obj["size"]:
+            raise errors.InvalidArgument(f"block {index} is outside {obj['key']} ({obj['size']} bytes)")
+        path = block_path(self.config.dirs, oid, index)
+        if repair and name not in self.inflight:
+            path.unlink(missing_ok=True)
+            self.policy.remove(name)
+            self.sizes.pop(name, None)
+            self.stats["repairs"] += 1
+        elif name in self.policy:
+            return "ok"
+        pending = self.inflight.get(name)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        if time.monotonic() < self.full_until:
+            self.stats["uncached"] += 1
+            return "uncached"
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.inflight[name] = future
+        try:
+            result = await self._fetch_and_publish(source, obj, index, name, path)
+            future.set_result(result)
+            return result
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # a waiter re-raises it; nobody waiting is fine too
+            raise
+        finally:
+            del self.inflight[name]
+
+    async def _fetch_and_publish(self, source: Source, obj: dict[str, Any], index: int, name: str, path: Path) -> str:
+        block_size, size = obj["block_size"], obj["size"]
+        start, end = index * block_size, min(size, (index + 1) * block_size)
+        expect = ObjectInfo(obj["key"], size, obj["mtime"], obj["etag"]) if obj["check"] else None
+        assert self._fetch_slots is not None
+        async with self._fetch_slots:
+            data = await source.get_range_async(obj["key"], start, end, expect)
+        self.stats["misses"] += 1
+        self.stats["bytes_fetched"] += len(data)
+        for attempt in range(2):
+            try:
+                written = await asyncio.to_thread(blockfile.publish, path, data)
+                break
+            except OSError as exc:
+                if exc.errno not in FULL_ERRNOS:
+                    raise
+                if attempt == 0 and self._evict_to(max(0, self.policy.bytes - 4 * len(data))):
+                    continue
+                self.full_until = time.monotonic() + FULL_BACKOFF_S
+                if not self.warned_full:
+                    log.warning("cache dir %s is full (%s): serving reads uncached", self.config.primary, exc.strerror)
+                    self.warned_full = True
+                self.stats["uncached"] += 1
+                return "uncached"
+        self.policy.insert(name, written)
+        self.sizes[name] = written
+        self._make_room()
+        return "ok"
+
+    async def fetch(self, message: dict[str, Any]) -> dict[str, Any]:
+        spec = message["source"]
+        source = self.source(spec)
+        identity = source_identity(spec["url"], spec["options"])
+        for obj in message["objects"]:  # names are computed here, never taken from a client
+            version = version_string(obj["size"], obj["mtime"], obj["etag"])
+            obj["oid"] = object_id(identity, obj["key"], version, obj["block_size"])
+        uncached: list[list[int]] = []
+        failures: list[dict[str, Any]] = []
+
+        async def one(i: int, obj: dict[str, Any], index: int) -> None:
+            try:
+                if await self.block(source, obj, index, index in obj.get("repair", ())) == "uncached":
+                    uncached.append([i, index])
+            except GpufeedError as exc:
+                failures.append({"object": i, "error": type(exc).__name__, "message": str(exc)})
+
+        await asyncio.gather(
+            *(one(i, obj, index) for i, obj in enumerate(message["objects"]) for index in obj["blocks"])
+        )
+        return {"ok": not failures, "uncached": uncached, "errors": failures}
+
+    # -- serving ----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "dirs": [str(d) for d in self.config.dirs],
+            "quota": self.config.cache_size,
+            "limit": self.limit(),
+            "bytes": self.policy.bytes,
+            "blocks": len(self.policy),
+            "clients": self.connections,
+            "uptime_s": time.time() - self.started,
+            **{k: self.stats[k] for k in ("hits", "misses", "bytes_fetched", "repairs", "evictions", "uncached")},
+        }
+
+    async def dispatch(self, message: dict[str, Any]) -> dict[str, Any]:
+        op = message.get("op")
+        if op == "fetch":
+            return await self.fetch(message)
+        if op == "hits":
+            for name in message["blocks"]:
+                self.policy.access(name)
+            self.stats["hits"] += len(message["blocks"])
+            return {"ok": True}
+        if op in ("hello", "stats"):
+            return {"ok": True, **self.snapshot()}
+        if op == "clear":
+            removed = self._evict_to(0)
+            return {"ok": True, "removed_bytes": removed}
+        if op == "shutdown":
+            assert self._stop is not None
+            self._stop.set()
+            return {"ok": True}
+        return {"ok": False, "errors": [{"error": "InvalidArgument", "message": f"unknown agent op {op!r}"}]}
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while (message := await protocol.read_message(reader)) is not None:
+                self.last_activity = time.monotonic()
+                try:
+                    reply = await self.dispatch(message)
+                except Exception as exc:  # one bad request must not take the node's cache down
+                    log.exception("request %s failed", message.get("op"))
+                    reply = {"ok": False, "errors": [{"error": "SourceError", "message": f"agent: {exc}"}]}
+                writer.write(protocol.encode(reply))
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            self.connections -= 1
+            self.last_activity = time.monotonic()
+            writer.close()
+
+    async def _watch_idle(self) -> None:
+        assert self._stop is not None and self.config.idle_timeout is not None
+        while not self._stop.is_set():
+            await asyncio.sleep(min(1.0, self.config.idle_timeout))
+            if self.connections == 0 and time.monotonic() - self.last_activity > self.config.idle_timeout:
+                log.info("no clients for %.0f s: exiting", self.config.idle_timeout)
+                self._stop.set()
+
+    async def serve(self) -> None:
+        self._stop = asyncio.Event()
+        self._fetch_slots = asyncio.Semaphore(FETCH_CONCURRENCY)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        server = await asyncio.start_unix_server(self.handle, path=protocol.address(self.config.primary))
+        state = self.config.primary / "agent.json"
+        state.write_text(json.dumps({"pid": os.getpid(), "dirs": [str(d) for d in self.config.dirs]}))
+        watcher = asyncio.create_task(self._watch_idle()) if self.config.idle_timeout else None
+        log.info("agent %d serving %s", os.getpid(), ", ".join(map(str, self.config.dirs)))
+        try:
+            await self._stop.wait()
+        finally:
+            if watcher:
+                watcher.cancel()
+            server.close()
+            state.unlink(missing_ok=True)
+
+
+def run_agent(config: AgentConfig, settings: Settings) -> int:
+    """Run in the foreground until stopped; returns 0, or 3 when another agent owns the dir."""
+    try:
+        lock = acquire_lock(config.primary)
+    except AgentLocked:
+        return 3
+    try:
+        agent = Agent(config, settings)
+        agent.scan()
+        asyncio.run(agent.serve())
+    finally:
+        os.close(lock)
+    return 0
+
+
+def error_from(failure: dict[str, Any]) -> GpufeedError:
+    """Rebuild the typed error an agent reported, so callers can catch ObjectChanged etc."""
+    cls = getattr(errors, failure.get("error", ""), None)
+    if not (isinstance(cls, type) and issubclass(cls, GpufeedError)):
+        cls = errors.SourceError
+    return cls(failure.get("message", "agent error"))

@@ -1,0 +1,67 @@
+"""Reading and publishing block files.
+
+Readers (any process) only ever open published files: the agent writes a block to a temp file
+in the same cache dir and renames it into place, so a partial block is never visible. A reader
+that opened a block keeps valid bytes even if the agent unlinks it afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from gpufeed.cache.layout import CHUNK, BlockRef, CorruptBlock, encode, header_length, verify
+
+
+def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
+    """Bytes [start, end) of block `index` (offsets within the block). Raises FileNotFoundError
+    on a miss and CorruptBlock when the file is damaged; with `ref.verify` the chunks read are
+    checked against their checksums."""
+    length = ref.length(index)
+    head = header_length(length)
+    fd = os.open(ref.path(index), os.O_RDONLY)
+    try:
+        if not ref.verify:
+            data = os.pread(fd, end - start, head + start)
+            if len(data) != end - start:
+                raise CorruptBlock("truncated")
+            return memoryview(data)
+        first = start // CHUNK
+        lo, hi = first * CHUNK, min(length, -(-end // CHUNK) * CHUNK)
+        if lo == 0:
+            raw = memoryview(os.pread(fd, head + hi, 0))
+            header, chunks = raw[:head], raw[head:]
+        else:
+            header, chunks = memoryview(os.pread(fd, head, 0)), memoryview(os.pread(fd, hi - lo, head + lo))
+        if len(header) != head or len(chunks) != hi - lo:
+            raise CorruptBlock("truncated")
+        verify(header, length, chunks, first)
+        return chunks[start - lo : end - lo]
+    finally:
+        os.close(fd)
+
+
+def publish(path: Path, data: memoryview | bytes) -> int:
+    """Atomically place a block file; returns the bytes it occupies. Raises OSError (ENOSPC…)."""
+    header, view = encode(data)
+    tmp_dir = path.parent.parent.parent / "tmp"
+    tmp = tmp_dir / f"{path.name}.{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileNotFoundError:
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            written = os.writev(fd, [header, view])
+            if written != len(header) + len(view):
+                raise OSError(f"short write to {tmp}")
+        finally:
+            os.close(fd)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return written

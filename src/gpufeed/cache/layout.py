@@ -1,0 +1,84 @@
+"""Block naming and the on-disk block format. Pure functions shared by readers and the agent.
+
+A block's name hashes (source identity, object key, object version, block size), so a changed
+object can never be served from an old version's blocks. A block file is a small header —
+magic, data length, chunk size and one xxh3-64 checksum per 256 KiB chunk — followed by the
+data. Per-chunk checksums let a reader verify only the chunks it reads: a 100 KB read checks
+100 KB, not the whole 4 MiB block.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+MAGIC = b"GFB1"
+CHUNK = 256 * 1024
+_HEAD = struct.Struct("<4sIQII")  # magic, header length, data length, chunk size, chunk count
+DEFAULT_BLOCK_SIZE = 4 * 1024 * 1024
+
+
+class CorruptBlock(Exception):
+    """A block file whose header or checksum does not match; it must be discarded and refetched."""
+
+
+def object_id(source_id: str, key: str, version: str, block_size: int) -> str:
+    return xxhash.xxh3_128_hexdigest(f"{source_id}\0{key}\0{version}\0{block_size}".encode())
+
+
+def block_path(dirs: tuple[Path, ...], oid: str, index: int) -> Path:
+    """Blocks of one object live in one of the cache dirs, chosen by the object's hash."""
+    root = dirs[int(oid[:8], 16) % len(dirs)] if len(dirs) > 1 else dirs[0]
+    return root / "blocks" / oid[:2] / f"{oid}-{index}"
+
+
+def header_length(data_length: int) -> int:
+    return _HEAD.size + 8 * chunk_count(data_length)
+
+
+def chunk_count(data_length: int) -> int:
+    return max(1, -(-data_length // CHUNK))
+
+
+def encode(data: memoryview | bytes) -> tuple[bytes, memoryview]:
+    """Header for `data`; the caller writes header then data."""
+    view = memoryview(data).cast("B")
+    n = chunk_count(len(view))
+    sums = [xxhash.xxh3_64_intdigest(view[i * CHUNK : (i + 1) * CHUNK]) for i in range(n)]
+    header = _HEAD.pack(MAGIC, _HEAD.size + 8 * n, len(view), CHUNK, n) + struct.pack(f"<{n}Q", *sums)
+    return header, view
+
+
+def verify(header: memoryview, data_length: int, chunks: memoryview, first_chunk: int) -> None:
+    """Check the header against the expected length and `chunks` (starting at chunk
+    `first_chunk`, ending on a chunk boundary or at the end of the data) against their sums."""
+    try:
+        magic, length, stored_length, chunk, n = _HEAD.unpack_from(header)
+    except struct.error:
+        raise CorruptBlock("truncated header") from None
+    if magic != MAGIC or stored_length != data_length or chunk != CHUNK or length != len(header):
+        raise CorruptBlock("header does not match")
+    sums = struct.unpack_from(f"<{n}Q", header, _HEAD.size)
+    for i in range(0, len(chunks), CHUNK):
+        if xxhash.xxh3_64_intdigest(chunks[i : i + CHUNK]) != sums[first_chunk + i // CHUNK]:
+            raise CorruptBlock(f"checksum mismatch in chunk {first_chunk + i // CHUNK}")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    """Where one object's blocks live, computed once per open file."""
+
+    oid: str
+    dirs: tuple[Path, ...]
+    block_size: int
+    object_size: int
+    verify: bool
+
+    def path(self, index: int) -> Path:
+        return block_path(self.dirs, self.oid, index)
+
+    def length(self, index: int) -> int:
+        return max(0, min(self.block_size, self.object_size - index * self.block_size))

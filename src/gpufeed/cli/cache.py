@@ -1,0 +1,54 @@
+"""`gpufeed cache stats|clear|ls`."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from gpufeed.agent.client import AgentClient
+from gpufeed.cli.console import human_bytes, out
+from gpufeed.client import Client
+
+app = typer.Typer(help="Inspect and manage the node cache.", no_args_is_help=True)
+
+
+@app.command()
+def stats() -> None:
+    """Size, blocks, hits, misses, bytes fetched and repairs (starts the agent if needed)."""
+    client = Client()
+    info = client.agent.request({"op": "stats"})
+    table = Table(box=None, show_header=False)
+    reads = info["hits"] + info["misses"]
+    rows = [
+        ("cache dirs", ", ".join(info["dirs"])),
+        ("size", f"{human_bytes(info['bytes'])} of {human_bytes(info['limit'])} (quota {human_bytes(info['quota'])})"),
+        ("blocks", str(info["blocks"])),
+        ("hits", f"{info['hits']}" + (f" ({info['hits'] / reads:.1%})" if reads else "")),
+        ("misses", str(info["misses"])),
+        ("bytes fetched", human_bytes(info["bytes_fetched"])),
+        ("repairs", str(info["repairs"])),
+        ("evictions", str(info["evictions"])),
+        ("served uncached", str(info["uncached"])),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    out.print(table)
+
+
+@app.command()
+def clear() -> None:
+    """Drop every cached block (sources are untouched)."""
+    reply = AgentClient(Client().settings).request({"op": "clear"})
+    out.print(f"cleared {human_bytes(reply['removed_bytes'])}", highlight=False)
+
+
+@app.command("ls")
+def ls(path: str = typer.Argument("/", help="Namespace path.")) -> None:
+    """How much of each file under PATH is cached."""
+    files = total = cached = 0
+    for item, present in Client().cached_bytes(path):
+        files += 1
+        total += item.size
+        cached += present
+        typer.echo(f"{present / item.size if item.size else 1:>7.1%}  {item.size:>12}  {item.path}")
+    typer.echo(f"{cached / total if total else 1:>7.1%}  {total:>12}  total ({files} files, {human_bytes(cached)} cached)")
