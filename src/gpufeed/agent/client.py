@@ -81,11 +81,13 @@ class AgentClient:
         self._local = threading.local()
         self._hello: dict[str, Any] | None = None
 
-    def _socket(self) -> socket.socket:
+    def _socket(self, start: bool) -> socket.socket:
         sock = getattr(self._local, "sock", None)
         if sock is not None and self._local.pid == os.getpid():
             return sock
-        sock = self._connect_or_start()
+        sock = self._connect_or_start() if start else connect(self.primary)
+        if sock is None:
+            raise ConnectionRefusedError(f"no agent is running for {self.primary}")
         self._local.sock, self._local.pid = sock, os.getpid()
         return sock
 
@@ -114,12 +116,13 @@ class AgentClient:
             time.sleep(0.01)
         raise AgentUnavailable(f"the agent for {self.primary} did not start within {START_TIMEOUT_S:.0f} s")
 
-    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+    def request(self, message: dict[str, Any], *, start: bool = True) -> dict[str, Any]:
+        """Send one request and wait for its reply; with start=False never start an agent."""
         data = protocol.encode(message)
         failure: Exception | None = None
-        for _ in range(ATTEMPTS):
+        for _ in range(ATTEMPTS if start else 1):
             try:
-                sock = self._socket()
+                sock = self._socket(start)
                 sock.sendall(data)
                 return protocol.recv(sock)
             except OSError as exc:  # includes ConnectionError: the agent died; start another
@@ -163,6 +166,6 @@ class HitReporter:
             self._sent = time.monotonic()
         if batch and self.agent.connected:
             try:
-                self.agent.request({"op": "hits", "blocks": batch})
+                self.agent.request({"op": "hits", "blocks": batch}, start=False)
             except AgentUnavailable:
                 pass  # only eviction hints are lost

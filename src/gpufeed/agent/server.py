@@ -155,7 +155,8 @@ class Agent:
         pending = self.inflight.get(name)
         if pending is not None:
             return await asyncio.shield(pending)
-        if time.monotonic() < self.full_until:
+        length = min(obj["block_size"], obj["size"] - index * obj["block_size"])
+        if time.monotonic() < self.full_until or length > self.limit():
             self.stats["uncached"] += 1
             return "uncached"
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -292,7 +293,10 @@ class Agent:
             loop.add_signal_handler(sig, self._stop.set)
         server = await asyncio.start_unix_server(self.handle, path=protocol.address(self.config.primary))
         state = self.config.primary / "agent.json"
-        state.write_text(json.dumps({"pid": os.getpid(), "dirs": [str(d) for d in self.config.dirs]}))
+        try:
+            state.write_text(json.dumps({"pid": os.getpid(), "dirs": [str(d) for d in self.config.dirs]}))
+        except OSError as exc:  # a full cache dir must not stop the agent from serving uncached
+            log.warning("cannot write %s: %s", state, exc.strerror)
         watcher = asyncio.create_task(self._watch_idle()) if self.config.idle_timeout else None
         log.info("agent %d serving %s", os.getpid(), ", ".join(map(str, self.config.dirs)))
         try:

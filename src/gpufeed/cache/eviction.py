@@ -1,13 +1,13 @@
 """S3-FIFO eviction (Yang et al., SOSP 2023), in bytes.
 
-Why not LRU: training reads every sample once per epoch in a new random order. When the
-dataset is larger than the cache, LRU evicts each block shortly before the next epoch asks for
-it again and the hit rate collapses towards zero. S3-FIFO admits new blocks to a small FIFO
-(10 % of the bytes); blocks read again while there move to the main FIFO, the rest leave a
-ghost entry, and a block whose ghost is hit goes straight to main. From the second epoch on,
-main holds a stable set of blocks that keep hitting, instead of churning. It also costs O(1)
-per access with no list reordering on hits — a hit only bumps a small counter — which matters
-because hits are reported in batches by many reader processes.
+Why not LRU: training reads every sample once per epoch. When the dataset is larger than the
+cache, LRU evicts each block shortly before the next epoch asks for it again. S3-FIFO admits
+new blocks to a small FIFO (10 % of the bytes); blocks read again while there move to the main
+FIFO, the rest leave a ghost entry, and a block whose ghost is hit goes straight to main, so
+main keeps a resident set that goes on hitting. With 1,000 blocks per epoch and room for 500
+(tests/cache/test_eviction.py): sequential epochs hit 0 % under LRU and ~29 % under S3-FIFO;
+shuffled epochs ~15 % under LRU and ~22 % under S3-FIFO. A hit costs O(1) with no list
+reordering — it bumps a small counter — which suits hits reported in batches by many readers.
 """
 
 from __future__ import annotations

@@ -1,0 +1,253 @@
+"""The node agent with real processes: races, kill -9, corruption, quotas, a full disk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import gpufeed
+from gpufeed.agent.client import AgentClient, connect
+from gpufeed.client import Client
+from gpufeed.config import Settings
+from gpufeed.namespace import Namespace
+from tests.conftest import HttpServer
+
+
+def make_files(root: Path, count: int, size: int) -> dict[str, bytes]:
+    root.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for i in range(count):
+        data = os.urandom(size + i)
+        (root / f"{i:05d}.bin").write_bytes(data)
+        files[f"{i:05d}.bin"] = data
+    return files
+
+
+def stats() -> dict:
+    return AgentClient(Settings.from_env()).request({"op": "stats"})
+
+
+def block_files(cache: Path) -> list[Path]:
+    return sorted((cache / "blocks").rglob("*-*"))
+
+
+def agent_pids(cache: Path) -> list[int]:
+    """Live `gpufeed agent` processes serving `cache` (zombies excluded)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().split(") ")[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and b"agent" in cmdline and str(cache).encode() in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def run_python(code: str, **popen: object) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], **popen)  # type: ignore[call-overload]
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, bytes]:
+    data = make_files(tmp_path / "src", 40, 20_000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    return data
+
+
+def test_cold_then_warm_reads_are_right_and_counted(files: dict[str, bytes], gpufeed_home: Path) -> None:
+    for name, data in files.items():
+        assert gpufeed.read(f"/data/{name}") == data
+    cold = stats()
+    assert (cold["misses"], cold["blocks"]) == (40, 40)
+    assert cold["bytes_fetched"] == sum(map(len, files.values()))
+    for name, data in files.items():
+        assert gpufeed.read(f"/data/{name}", 100, 1000) == data[100:1100]
+    gpufeed.client().hits.flush()
+    warm = stats()
+    assert (warm["misses"], warm["hits"]) == (40, 40)
+
+
+def test_hits_need_no_agent(files: dict[str, bytes], gpufeed_home: Path) -> None:
+    client = Client()
+    for name in files:
+        client.read(f"/data/{name}")
+    AgentClient(client.settings).request({"op": "shutdown"})
+    deadline = time.monotonic() + 10
+    while connect(gpufeed_home / "cache") is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for name, data in files.items():
+        assert client.read(f"/data/{name}") == data
+    client.hits.flush()
+    assert connect(gpufeed_home / "cache") is None, "hits and hit reports never start an agent"
+
+
+def test_multi_block_objects_and_small_blocks(tmp_path: Path) -> None:
+    data = os.urandom(10 * 4096 + 7)
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "obj").write_bytes(data)
+    Namespace().add_mount("/big", f"file://{tmp_path / 'big'}", {"block_size": "4KiB"})
+    assert gpufeed.read("/big/obj", 4000, 9000) == data[4000:13000]
+    assert stats()["blocks"] == 4, "only the blocks [4000, 13000) touches"
+    assert gpufeed.read("/big/obj") == data
+    assert stats()["blocks"] == 11
+
+
+def test_one_agent_however_many_clients_race(tmp_path: Path, gpufeed_home: Path) -> None:
+    code = """
+        from gpufeed.agent.client import AgentClient
+        from gpufeed.config import Settings
+        print(AgentClient(Settings.from_env()).hello()["pid"])
+    """
+    racers = [run_python(code, stdout=subprocess.PIPE, text=True) for _ in range(8)]
+    pids = {int(p.communicate(timeout=60)[0]) for p in racers}
+    assert len(pids) == 1
+    deadline = time.monotonic() + 30  # agents that lost the lock race exit as soon as they try it
+    while len(agent_pids(gpufeed_home / "cache")) > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert agent_pids(gpufeed_home / "cache") == list(pids)
+
+
+def test_idle_agent_exits(files: dict[str, bytes], gpufeed_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFEED_AGENT_IDLE_TIMEOUT", "1")
+    reader = run_python("import gpufeed; gpufeed.read('/data/00000.bin')")
+    assert reader.wait(timeout=60) == 0
+    deadline = time.monotonic() + 20
+    while agent_pids(gpufeed_home / "cache") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert agent_pids(gpufeed_home / "cache") == []
+    assert not (gpufeed_home / "cache" / "agent.json").exists()
+
+
+def test_kill_9_agent_during_cold_read_loop(tmp_path: Path, gpufeed_home: Path) -> None:
+    expected = make_files(tmp_path / "many", 600, 3000)
+    Namespace().add_mount("/many", f"file://{tmp_path / 'many'}")
+    reader = run_python(
+        """
+        import hashlib, sys, gpufeed
+        names = sorted(n.path for n in gpufeed.ls("/many"))
+        for i, name in enumerate(names):
+            print(i, name, hashlib.sha256(gpufeed.read(name)).hexdigest(), flush=True)
+        """,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert reader.stdout is not None
+    seen: dict[str, str] = {}
+    killed: set[int] = set()
+    for line in reader.stdout:
+        i, name, digest = line.split()
+        seen[name] = digest
+        if int(i) in (50, 250, 450):
+            for pid in agent_pids(gpufeed_home / "cache"):
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+    assert reader.wait(timeout=60) == 0
+    assert len(killed) >= 2, "the loop outlived several agents"
+    assert seen == {f"/many/{k}": hashlib.sha256(v).hexdigest() for k, v in expected.items()}
+
+
+def test_corrupted_block_is_repaired(files: dict[str, bytes], gpufeed_home: Path) -> None:
+    data = files["00003.bin"]
+    assert gpufeed.read("/data/00003.bin") == data
+    [block] = block_files(gpufeed_home / "cache")
+    raw = bytearray(block.read_bytes())
+    raw[-100] ^= 0xFF
+    block.write_bytes(bytes(raw))
+    assert gpufeed.read("/data/00003.bin") == data
+    assert stats()["repairs"] == 1
+    os.truncate(block, 50)
+    assert gpufeed.read("/data/00003.bin") == data
+    assert stats()["repairs"] == 2
+
+
+def test_quota_smaller_than_working_set(files: dict[str, bytes], gpufeed_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    quota = 200_000
+    monkeypatch.setenv("GPUFEED_CACHE_SIZE", str(quota))
+    for _ in range(2):
+        for name, data in files.items():
+            assert gpufeed.read(f"/data/{name}") == data
+        on_disk = sum(p.stat().st_size for p in block_files(gpufeed_home / "cache"))
+        assert on_disk <= quota
+    info = stats()
+    assert info["bytes"] <= quota and info["evictions"] > 0
+
+
+def test_cache_off_mount_writes_no_blocks(tmp_path: Path, gpufeed_home: Path) -> None:
+    make_files(tmp_path / "nc", 3, 100)
+    Namespace().add_mount("/nc", f"file://{tmp_path / 'nc'}", {"cache": "off"})
+    assert len(gpufeed.read("/nc/00001.bin")) == 101
+    assert block_files(gpufeed_home / "cache") == []
+
+
+def test_full_filesystem_serves_uncached_with_one_warning(tmp_path: Path, files: dict[str, bytes]) -> None:
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(tiny)], check=True)
+    try:
+        filler = os.open(tiny / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(filler, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        os.close(filler)
+        reader = run_python(
+            """
+            import json, gpufeed
+            print(json.dumps({n.path: gpufeed.read(n.path).hex() for n in gpufeed.ls("/data")}))
+            """,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "GPUFEED_CACHE_DIRS": str(tiny / "cache")},
+        )
+        out, err = reader.communicate(timeout=120)
+        assert reader.returncode == 0, err
+        assert json.loads(out) == {f"/data/{k}": v.hex() for k, v in files.items()}
+        warnings = [line for line in err.splitlines() if "warning" in line]
+        assert len(warnings) == 1 and "cannot hold more blocks" in warnings[0], err
+    finally:
+        from tests.conftest import stop_agent
+
+        stop_agent(tiny / "cache")
+        subprocess.run(["umount", "-l", str(tiny)], check=False)
+
+
+def test_single_flight_across_processes_and_threads(nginx: HttpServer, tmp_path: Path) -> None:
+    site = nginx.root / f"sf-{tmp_path.name}"
+    expected = make_files(site, 120, 2000)
+    Namespace().add_mount("/web", f"{nginx.url}/{site.name}")
+    log = Path(str(nginx.root.parent / "nginx" / "access.log"))
+    before = log.read_text().count(f"GET /{site.name}/0")
+    code = """
+        import hashlib, sys, threading, gpufeed
+        names = sorted(n.path for n in gpufeed.ls("/web"))
+        client = gpufeed.client()
+        results = {}
+        def run(offset):
+            order = names[offset:] + names[:offset]
+            results[offset] = {n: hashlib.sha256(client.read(n)).hexdigest() for n in order}
+        threads = [threading.Thread(target=run, args=(k * 7,)) for k in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert results[0] == results[7]
+        print(len(results[0]))
+    """
+    readers = [run_python(code, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    assert [int(r.communicate(timeout=120)[0]) for r in readers] == [120] * 3
+    time.sleep(0.2)  # nginx writes its access log line after the response; let the last lines land
+    gets = log.read_text().count(f"GET /{site.name}/0") - before
+    assert gets == len(expected) == 120

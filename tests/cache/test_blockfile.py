@@ -1,0 +1,81 @@
+"""The block format: atomic publish, chunk checksums, truncation and corruption detection."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpufeed.cache import blockfile
+from gpufeed.cache.layout import CHUNK, BlockRef, CorruptBlock, header_length, object_id
+
+
+def ref(tmp_path: Path, size: int, verify: bool = True, block_size: int = 4 << 20) -> BlockRef:
+    return BlockRef(object_id("src", "key", "v1", block_size), (tmp_path,), block_size, size, verify)
+
+
+def test_round_trip_any_range(tmp_path: Path) -> None:
+    data = os.urandom(3 * CHUNK + 1000)
+    r = ref(tmp_path, len(data))
+    written = blockfile.publish(r.path(0), data)
+    assert written == header_length(len(data)) + len(data) == r.path(0).stat().st_size
+    for start, end in [(0, len(data)), (5, 17), (CHUNK - 1, CHUNK + 1), (2 * CHUNK, len(data)), (len(data) - 1, len(data))]:
+        assert bytes(blockfile.read(r, 0, start, end)) == data[start:end]
+    assert list((tmp_path / "tmp").iterdir()) == [], "no temp file left behind"
+
+
+def test_names_depend_on_version_and_block_size() -> None:
+    names = {object_id("s", "k", v, b) for v in ("v1", "v2") for b in (1 << 20, 4 << 20)}
+    assert len(names) == 4
+
+
+@pytest.mark.parametrize("offset", [0, 10, 24, 100, CHUNK + 50])
+def test_a_flipped_byte_is_detected(tmp_path: Path, offset: int) -> None:
+    data = os.urandom(2 * CHUNK)
+    r = ref(tmp_path, len(data))
+    blockfile.publish(r.path(0), data)
+    with open(r.path(0), "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    head = header_length(len(data))
+    with pytest.raises(CorruptBlock):
+        chunk_start = max(0, offset - head) // CHUNK * CHUNK
+        blockfile.read(r, 0, chunk_start, chunk_start + 10)
+
+
+def test_truncated_block_is_detected_with_and_without_verify(tmp_path: Path) -> None:
+    data = os.urandom(1000)
+    for verify in (True, False):
+        r = ref(tmp_path, len(data), verify)
+        blockfile.publish(r.path(0), data)
+        os.truncate(r.path(0), header_length(len(data)) + 500)
+        with pytest.raises(CorruptBlock):
+            blockfile.read(r, 0, 0, 1000)
+
+
+def test_verify_never_skips_checksums(tmp_path: Path) -> None:
+    data = b"a" * 1000
+    r = ref(tmp_path, len(data), verify=False)
+    blockfile.publish(r.path(0), data)
+    with open(r.path(0), "r+b") as f:
+        f.seek(header_length(1000) + 10)
+        f.write(b"Z")
+    assert bytes(blockfile.read(r, 0, 10, 11)) == b"Z", "the opt-out trusts the disk"
+
+
+def test_missing_block_is_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        blockfile.read(ref(tmp_path, 10), 0, 0, 10)
+
+
+def test_an_open_reader_survives_unlink(tmp_path: Path) -> None:
+    data = os.urandom(5000)
+    r = ref(tmp_path, len(data))
+    blockfile.publish(r.path(0), data)
+    fd = os.open(r.path(0), os.O_RDONLY)
+    os.unlink(r.path(0))
+    assert os.pread(fd, 5000, header_length(5000)) == data
+    os.close(fd)
