@@ -77,7 +77,7 @@ class Client:
         blocks = None
         if policy.enabled and info.size > 0 and (dirs := self._cache_dirs()) is not None:
             oid = object_id(source_identity(mount.url, mount.options), info.key, info.version, policy.block_size)
-            blocks = BlockRef(oid, dirs, policy.block_size, info.size, policy.verify)
+            blocks = BlockRef.of(dirs, oid, policy.block_size, info.size, policy.verify)
         return ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, blocks)
 
     def _explain(self, handle: ObjectHandle, exc: Exception) -> Exception:
@@ -91,6 +91,8 @@ class Client:
         return exc
 
     def _direct(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
+        if end <= start:
+            return memoryview(b"")
         expect = None if handle.mount.immutable else handle.info
         try:
             return handle.source.get_range(handle.info.key, start, end, expect)
@@ -99,14 +101,28 @@ class Client:
 
     def read_range(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
         """Bytes [start, end) of the pinned version, clipped to the object's size."""
-        end = min(end, handle.size)
-        if end <= start:
-            return memoryview(b"")
         ref = handle.blocks
         if ref is None:
-            return self._direct(handle, start, end)
+            return self._direct(handle, start, min(end, handle.info.size))
+        if end > ref.object_size:
+            end = ref.object_size
+        if end <= start:
+            return memoryview(b"")
         size = ref.block_size
         first, last = start // size, (end - 1) // size
+        if first == last:  # the common case, a hit inside one block: no lists, no dicts
+            base = first * size
+            try:
+                data = blockfile.read(ref, first, start - base, end - base)
+            except (FileNotFoundError, CorruptBlock):
+                pass
+            else:
+                self.hits.record(ref.oid, first)
+                return data
+        return self._read_blocks(handle, ref, start, end, first, last)
+
+    def _read_blocks(self, handle: ObjectHandle, ref: BlockRef, start: int, end: int, first: int, last: int) -> memoryview:
+        size = ref.block_size
         pieces: dict[int, memoryview] = {}
         missing: list[int] = []
         repair: list[int] = []
@@ -119,8 +135,8 @@ class Client:
             except CorruptBlock:
                 missing.append(index)
                 repair.append(index)
-        if pieces:
-            self.hits.record(ref.oid, pieces)
+        for index in pieces:
+            self.hits.record(ref.oid, index)
         if missing:
             uncached = self._fetch(handle, missing, repair)
             for index in missing:
@@ -185,9 +201,9 @@ class Client:
                 yield item, 0
                 continue
             identity = source_identity(where.mount.url, where.mount.options)
-            ref = BlockRef(object_id(identity, where.key, item.version, policy.block_size), dirs, policy.block_size, item.size, False)
+            ref = BlockRef.of(dirs, object_id(identity, where.key, item.version, policy.block_size), policy.block_size, item.size, False)
             count = -(-item.size // policy.block_size)
-            yield item, sum(ref.length(i) for i in range(count) if ref.path(i).exists())
+            yield item, sum(ref.length(i) for i in range(count) if os.path.exists(ref.path(i)))
 
     def open(self, path: str) -> FeedFile:
         return FeedFile(self, self.handle(path))

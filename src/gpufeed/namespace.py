@@ -94,6 +94,9 @@ def source_identity(url: str, options: dict[str, str]) -> str:
     return f"{url}|{options.get('endpoint', '')}"
 
 
+MOUNTS_TTL_S = 1.0
+
+
 def normalize(path: str) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise InvalidArgument(f"{path!r}: namespace paths are absolute, e.g. /data/train/0001.jpg")
@@ -120,18 +123,29 @@ class Namespace:
         self.settings = settings or Settings.from_env()
         self.engine = engine or open_engine(self.settings)
         self._sources: dict[tuple[str, str], Source] = {}
+        self._mounts: list[Mount] | None = None
+        self._mounts_read = 0.0
 
     def close(self) -> None:
         self.engine.close()
 
     # -- mounts ---------------------------------------------------------------------------
 
-    def mounts(self) -> list[Mount]:
-        return self.engine.mounts()
+    def mounts(self, *, fresh: bool = False) -> list[Mount]:
+        """The mount table. Lookups reuse it for up to MOUNTS_TTL_S, so a read costs one manifest
+        probe instead of re-reading every mount; a mount whose generation went stale is caught
+        by `_switched`, and changes made through this Namespace are seen at once."""
+        now = time.monotonic()
+        if fresh or self._mounts is None or now - self._mounts_read > MOUNTS_TTL_S:
+            self._mounts, self._mounts_read = self.engine.mounts(), now
+        return self._mounts
+
+    def _forget_mounts(self) -> None:
+        self._mounts = None
 
     def mount(self, path: str) -> Mount:
         path = normalize(path)
-        for mount in self.mounts():
+        for mount in self.mounts(fresh=True):
             if mount.path == path:
                 return mount
         raise MountNotFound(f"{path}: no such mount (see 'gpufeed mount ls')")
@@ -153,20 +167,23 @@ class Namespace:
             raise InvalidArgument("--immutable and --max-age exclude each other")
         if max_age is not None and max_age < 0:
             raise InvalidArgument(f"--max-age {max_age}: must be >= 0 seconds")
-        for other in self.mounts():
+        for other in self.mounts(fresh=True):
             if path == other.path or path.startswith(other.path + "/") or other.path.startswith(path + "/"):
                 raise MountConflict(f"cannot mount {url} at {path}: it overlaps the mount {other.path} ({other.url})")
         mount = Mount(path, url, dict(options or {}), immutable=immutable, max_age=max_age)
         CachePolicy.of(mount, self.settings)
+        self._forget_mounts()
         return write_manifest(self.engine, mount, self.source(mount), create=True)
 
     def refresh(self, path: str) -> tuple[Mount, ManifestStats]:
         mount = self.mount(path)
+        self._forget_mounts()
         return write_manifest(self.engine, mount, self.source(mount), create=False)
 
     def remove_mount(self, path: str) -> Mount:
         mount = self.mount(path)
         self.engine.delete_mount(mount.path)
+        self._forget_mounts()
         self.engine.drop_generation(mount.generation)
         return mount
 
@@ -195,7 +212,7 @@ class Namespace:
     def _switched(self, where: Resolved) -> Resolved | None:
         """`where` against the mount's current generation, if a refresh switched it since `where`
         was resolved (the old generation may already be dropped); None when nothing changed."""
-        current = next((m for m in self.mounts() if m.path == where.mount.path), None)
+        current = next((m for m in self.mounts(fresh=True) if m.path == where.mount.path), None)
         if current is None or current.generation == where.mount.generation:
             return None
         return Resolved(current, where.key)

@@ -12,14 +12,14 @@ from gpufeed.cache.layout import CHUNK, BlockRef, CorruptBlock, header_length, o
 
 
 def ref(tmp_path: Path, size: int, verify: bool = True, block_size: int = 4 << 20) -> BlockRef:
-    return BlockRef(object_id("src", "key", "v1", block_size), (tmp_path,), block_size, size, verify)
+    return BlockRef.of((tmp_path,), object_id("src", "key", "v1", block_size), block_size, size, verify)
 
 
 def test_round_trip_any_range(tmp_path: Path) -> None:
     data = os.urandom(3 * CHUNK + 1000)
     r = ref(tmp_path, len(data))
-    written = blockfile.publish(r.path(0), data)
-    assert written == header_length(len(data)) + len(data) == r.path(0).stat().st_size
+    written = blockfile.publish(Path(r.path(0)), data)
+    assert written == header_length(len(data)) + len(data) == Path(r.path(0)).stat().st_size
     for start, end in [(0, len(data)), (5, 17), (CHUNK - 1, CHUNK + 1), (2 * CHUNK, len(data)), (len(data) - 1, len(data))]:
         assert bytes(blockfile.read(r, 0, start, end)) == data[start:end]
     assert list((tmp_path / "tmp").iterdir()) == [], "no temp file left behind"
@@ -34,8 +34,8 @@ def test_names_depend_on_version_and_block_size() -> None:
 def test_a_flipped_byte_is_detected(tmp_path: Path, offset: int) -> None:
     data = os.urandom(2 * CHUNK)
     r = ref(tmp_path, len(data))
-    blockfile.publish(r.path(0), data)
-    with open(r.path(0), "r+b") as f:
+    blockfile.publish(Path(r.path(0)), data)
+    with open(Path(r.path(0)), "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
         f.seek(offset)
@@ -50,8 +50,8 @@ def test_truncated_block_is_detected_with_and_without_verify(tmp_path: Path) -> 
     data = os.urandom(1000)
     for verify in (True, False):
         r = ref(tmp_path, len(data), verify)
-        blockfile.publish(r.path(0), data)
-        os.truncate(r.path(0), header_length(len(data)) + 500)
+        blockfile.publish(Path(r.path(0)), data)
+        os.truncate(Path(r.path(0)), header_length(len(data)) + 500)
         with pytest.raises(CorruptBlock):
             blockfile.read(r, 0, 0, 1000)
 
@@ -59,8 +59,8 @@ def test_truncated_block_is_detected_with_and_without_verify(tmp_path: Path) -> 
 def test_verify_never_skips_checksums(tmp_path: Path) -> None:
     data = b"a" * 1000
     r = ref(tmp_path, len(data), verify=False)
-    blockfile.publish(r.path(0), data)
-    with open(r.path(0), "r+b") as f:
+    blockfile.publish(Path(r.path(0)), data)
+    with open(Path(r.path(0)), "r+b") as f:
         f.seek(header_length(1000) + 10)
         f.write(b"Z")
     assert bytes(blockfile.read(r, 0, 10, 11)) == b"Z", "the opt-out trusts the disk"
@@ -74,8 +74,8 @@ def test_missing_block_is_file_not_found(tmp_path: Path) -> None:
 def test_an_open_reader_survives_unlink(tmp_path: Path) -> None:
     data = os.urandom(5000)
     r = ref(tmp_path, len(data))
-    blockfile.publish(r.path(0), data)
-    fd = os.open(r.path(0), os.O_RDONLY)
-    os.unlink(r.path(0))
+    blockfile.publish(Path(r.path(0)), data)
+    fd = os.open(Path(r.path(0)), os.O_RDONLY)
+    os.unlink(Path(r.path(0)))
     assert os.pread(fd, 5000, header_length(5000)) == data
     os.close(fd)

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -151,13 +150,14 @@ class HitReporter:
 
     def __init__(self, agent: AgentClient) -> None:
         self.agent = agent
-        self._pending: list[str] = []
+        self._pending: list[tuple[str, int]] = []
         self._sent = time.monotonic()
         self._lock = threading.Lock()
 
-    def record(self, oid: str, indices: Iterable[int]) -> None:
-        self._pending.extend(f"{oid}-{index}" for index in indices)
-        if len(self._pending) >= HIT_REPORT_BATCH or time.monotonic() - self._sent > HIT_REPORT_INTERVAL_S:
+    def record(self, oid: str, index: int) -> None:
+        pending = self._pending
+        pending.append((oid, index))
+        if len(pending) >= HIT_REPORT_BATCH or (len(pending) % 32 == 0 and time.monotonic() - self._sent > HIT_REPORT_INTERVAL_S):
             self.flush()
 
     def flush(self) -> None:
@@ -166,6 +166,6 @@ class HitReporter:
             self._sent = time.monotonic()
         if batch and self.agent.connected:
             try:
-                self.agent.request({"op": "hits", "blocks": batch}, start=False)
+                self.agent.request({"op": "hits", "blocks": [f"{oid}-{index}" for oid, index in batch]}, start=False)
             except AgentUnavailable:
                 pass  # only eviction hints are lost

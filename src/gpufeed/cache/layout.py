@@ -18,6 +18,8 @@ import xxhash
 MAGIC = b"GFB1"
 CHUNK = 256 * 1024
 _HEAD = struct.Struct("<4sIQII")  # magic, header length, data length, chunk size, chunk count
+_SUM = struct.Struct("<Q")
+HEAD_SIZE = _HEAD.size
 DEFAULT_BLOCK_SIZE = 4 * 1024 * 1024
 
 
@@ -29,14 +31,19 @@ def object_id(source_id: str, key: str, version: str, block_size: int) -> str:
     return xxhash.xxh3_128_hexdigest(f"{source_id}\0{key}\0{version}\0{block_size}".encode())
 
 
-def block_path(dirs: tuple[Path, ...], oid: str, index: int) -> Path:
-    """Blocks of one object live in one of the cache dirs, chosen by the object's hash."""
+def object_prefix(dirs: tuple[Path, ...], oid: str) -> str:
+    """Path of an object's blocks without the index. Blocks of one object live in one of the
+    cache dirs, chosen by the object's hash. A plain string: this is on every hit's path."""
     root = dirs[int(oid[:8], 16) % len(dirs)] if len(dirs) > 1 else dirs[0]
-    return root / "blocks" / oid[:2] / f"{oid}-{index}"
+    return f"{root}/blocks/{oid[:2]}/{oid}-"
+
+
+def block_path(dirs: tuple[Path, ...], oid: str, index: int) -> Path:
+    return Path(f"{object_prefix(dirs, oid)}{index}")
 
 
 def header_length(data_length: int) -> int:
-    return _HEAD.size + 8 * chunk_count(data_length)
+    return HEAD_SIZE + 8 * chunk_count(data_length)
 
 
 def chunk_count(data_length: int) -> int:
@@ -55,16 +62,19 @@ def encode(data: memoryview | bytes) -> tuple[bytes, memoryview]:
 def verify(header: memoryview, data_length: int, chunks: memoryview, first_chunk: int) -> None:
     """Check the header against the expected length and `chunks` (starting at chunk
     `first_chunk`, ending on a chunk boundary or at the end of the data) against their sums."""
-    try:
-        magic, length, stored_length, chunk, n = _HEAD.unpack_from(header)
-    except struct.error:
-        raise CorruptBlock("truncated header") from None
+    if len(header) < HEAD_SIZE:
+        raise CorruptBlock("truncated header")
+    magic, length, stored_length, chunk, n = _HEAD.unpack_from(header)
     if magic != MAGIC or stored_length != data_length or chunk != CHUNK or length != len(header):
         raise CorruptBlock("header does not match")
-    sums = struct.unpack_from(f"<{n}Q", header, _HEAD.size)
+    if len(chunks) <= CHUNK:
+        if xxhash.xxh3_64_intdigest(chunks) != _SUM.unpack_from(header, HEAD_SIZE + 8 * first_chunk)[0]:
+            raise CorruptBlock(f"checksum mismatch in chunk {first_chunk}")
+        return
     for i in range(0, len(chunks), CHUNK):
-        if xxhash.xxh3_64_intdigest(chunks[i : i + CHUNK]) != sums[first_chunk + i // CHUNK]:
-            raise CorruptBlock(f"checksum mismatch in chunk {first_chunk + i // CHUNK}")
+        index = first_chunk + i // CHUNK
+        if xxhash.xxh3_64_intdigest(chunks[i : i + CHUNK]) != _SUM.unpack_from(header, HEAD_SIZE + 8 * index)[0]:
+            raise CorruptBlock(f"checksum mismatch in chunk {index}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +82,17 @@ class BlockRef:
     """Where one object's blocks live, computed once per open file."""
 
     oid: str
-    dirs: tuple[Path, ...]
+    prefix: str
     block_size: int
     object_size: int
     verify: bool
 
-    def path(self, index: int) -> Path:
-        return block_path(self.dirs, self.oid, index)
+    @classmethod
+    def of(cls, dirs: tuple[Path, ...], oid: str, block_size: int, object_size: int, verify: bool) -> BlockRef:
+        return cls(oid, object_prefix(dirs, oid), block_size, object_size, verify)
+
+    def path(self, index: int) -> str:
+        return f"{self.prefix}{index}"
 
     def length(self, index: int) -> int:
         return max(0, min(self.block_size, self.object_size - index * self.block_size))

@@ -1,0 +1,119 @@
+"""Warm random reads of 100 KB objects from one process: gpufeed's cache hit path against raw
+`os.open`+`os.pread`+`os.close` of the same files and against fsspec `simplecache::`, in one run.
+
+    python benchmarks/cache_read_bench.py [--files 2000] [--size 100000] [--reads 20000]
+
+Prints samples/s for each reader and the two ratios the cache issue asks for:
+gpufeed / raw pread (goal >= 0.8, floor 0.7) and gpufeed / simplecache (floor 3x).
+"gpufeed (handles)" resolves each file once, as a dataset does, then reads through
+`Client.read_range` with the default checksum verification; "verify=never" is the same on a
+mount that opts out; "gpufeed.read(path)" adds the manifest lookup to every read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import fsspec
+
+import gpufeed
+from gpufeed.namespace import Namespace
+
+
+def rate(label: str, reads: int, fn: Callable[[int], int], rounds: int = 3) -> float:
+    """Best of `rounds` runs of `reads` reads; returns samples/s."""
+    best = 0.0
+    for _ in range(rounds):
+        started = time.perf_counter()
+        total = 0
+        for i in range(reads):
+            total += fn(i)
+        best = max(best, reads / (time.perf_counter() - started))
+    sys.stdout.write(f"  {label:32} {best:>10,.0f} samples/s\n")
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", type=int, default=2000)
+    parser.add_argument("--size", type=int, default=100_000)
+    parser.add_argument("--reads", type=int, default=20_000)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="gpufeed-cache-bench-"))
+    os.environ["GPUFEED_HOME"] = str(work / "home")
+    try:
+        source = work / "source"
+        source.mkdir()
+        payload = os.urandom(args.size + 4096)
+        names = [f"{i:06d}.jpg" for i in range(args.files)]
+        for i, name in enumerate(names):
+            (source / name).write_bytes(payload[i % 4096 : i % 4096 + args.size])
+        Namespace().add_mount("/bench", f"file://{source}")
+        Namespace().add_mount("/trusting", f"file://{source}", {"verify": "never"})
+        client = gpufeed.client()
+        order = [random.Random(0).randrange(args.files) for _ in range(args.reads)]
+        paths = [f"/bench/{n}" for n in names]
+        handles = [client.handle(p) for p in paths]
+        trusting = [client.handle(p.replace("/bench/", "/trusting/")) for p in paths]
+        for handle in handles + trusting:  # warm the cache
+            client.read_range(handle, 0, handle.size)
+        local = [str(source / n) for n in names]
+        simple = fsspec.filesystem("simplecache", target_protocol="file", cache_storage=str(work / "simplecache"))
+        for path in local:  # warm simplecache's copies
+            with simple.open(path, "rb") as f:
+                f.read()
+
+        def raw(i: int) -> int:
+            fd = os.open(local[order[i]], os.O_RDONLY)
+            try:
+                return len(os.pread(fd, args.size, 0))
+            finally:
+                os.close(fd)
+
+        def via_handles(i: int) -> int:
+            handle = handles[order[i]]
+            return len(client.read_range(handle, 0, handle.size))
+
+        def via_trusting(i: int) -> int:
+            handle = trusting[order[i]]
+            return len(client.read_range(handle, 0, handle.size))
+
+        def via_path(i: int) -> int:
+            return len(gpufeed.read(paths[order[i]]))
+
+        def via_simplecache(i: int) -> int:
+            with simple.open(local[order[i]], "rb") as f:
+                return len(f.read())
+
+        sys.stdout.write(f"warm random reads: {args.reads:,} reads of {args.size:,} B over {args.files:,} files\n")
+        raw_rate = rate("raw os.open+pread+close", args.reads, raw)
+        handle_rate = rate("gpufeed (handles)", args.reads, via_handles)
+        trusting_rate = rate("gpufeed (handles, verify=never)", args.reads, via_trusting)
+        path_rate = rate("gpufeed.read(path)", args.reads, via_path)
+        simple_rate = rate("fsspec simplecache::", args.reads, via_simplecache)
+        client.hits.flush()
+        sys.stdout.write(
+            f"gpufeed (handles) / raw pread     = {handle_rate / raw_rate:.2f}x  (goal >= 0.8, floor 0.7)\n"
+            f"verify=never / raw pread          = {trusting_rate / raw_rate:.2f}x\n"
+            f"gpufeed.read(path) / raw pread    = {path_rate / raw_rate:.2f}x\n"
+            f"gpufeed (handles) / simplecache:: = {handle_rate / simple_rate:.1f}x  (floor 3x)\n"
+            f"gpufeed.read(path) / simplecache:: = {path_rate / simple_rate:.1f}x\n"
+        )
+    finally:
+        from gpufeed.agent.client import AgentClient
+
+        AgentClient(gpufeed.client().settings).request({"op": "shutdown"}, start=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
