@@ -1,0 +1,179 @@
+"""A PyTorch-DataLoader-shaped reader: N worker processes, whole batches per worker,
+`prefetch` batches in flight per worker, batches delivered in order.
+
+As in PyTorch, batch b goes to worker b % N, and a new batch is handed out each time the
+training loop takes one. Only batch numbers go to workers (each computes the epoch's
+shuffle itself) and only counts and per-sample latencies come back, never sample bytes.
+Workers persist across epochs (persistent_workers=True) and open their own reader, so no
+connection or runtime crosses a fork.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import queue
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.context import ForkServerContext, SpawnContext
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from gpufeed.bench.dataset import Dataset, epoch_order
+from gpufeed.bench.modes import ReaderSpec
+from gpufeed.errors import GpufeedError
+
+RESULT_POLL = 1.0
+STOP_TIMEOUT = 5.0
+
+
+class LoaderError(GpufeedError):
+    """A worker failed to read; the message is the worker's error."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    index: int
+    samples: int
+    source_bytes: int
+    latencies: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Failure:
+    worker: int
+    message: str
+
+
+def _context() -> ForkServerContext | SpawnContext:
+    """forkserver: workers fork from a clean server that imported this module once, so they
+    start fast and inherit no threads or store clients from the benchmark process. Each
+    child re-runs the main script (multiprocessing's main-module fixup); for the `gpufeed`
+    command that imports the CLI, so the server preloads it too and the re-run is free."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__, "gpufeed.cli.main"])
+        return context
+    return multiprocessing.get_context("spawn")
+
+
+def _work(
+    worker: int, spec: ReaderSpec, dataset: Dataset, batch: int, seed: int, tasks: Any, results: Any
+) -> None:
+    """Worker main: read each assigned batch, sample by sample, timing each read."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    try:
+        reader = spec.open(dataset.max_record)
+    except Exception as exc:  # reported to the parent, which raises it with context
+        results.put(_Failure(worker, str(exc)))
+        return
+    order_epoch, order = -1, np.empty(0, dtype=np.int64)
+    try:
+        while (task := tasks.get()) is not None:
+            epoch, index = task
+            if epoch != order_epoch:
+                order_epoch, order = epoch, epoch_order(seed, epoch, dataset.samples)
+            files, starts, ends = dataset.ranges(order[index * batch : (index + 1) * batch])
+            latencies = np.empty(len(files))
+            source_before = reader.source_bytes
+            clock = time.perf_counter
+            for k, (file, start, end) in enumerate(zip(files.tolist(), starts.tolist(), ends.tolist(), strict=True)):
+                began = clock()
+                got = reader.read(file, start, end)
+                latencies[k] = clock() - began
+                if got != end - start:
+                    raise LoaderError(f"{dataset.paths[file]}: read {got} of {end - start} bytes at offset {start}")
+            results.put(Batch(index, len(files), reader.source_bytes - source_before, latencies))
+    except Exception as exc:
+        results.put(_Failure(worker, str(exc)))
+    finally:
+        reader.close()
+
+
+class DataLoader:
+    def __init__(self, spec: ReaderSpec, dataset: Dataset, *, batch: int, workers: int, prefetch: int, seed: int) -> None:
+        self.spec = spec
+        self.dataset = dataset
+        self.batch = batch
+        self.workers = workers
+        self.prefetch = prefetch
+        self.seed = seed
+        self.batches_per_epoch = math.ceil(dataset.samples / batch)
+        self._processes: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+
+    def __enter__(self) -> DataLoader:
+        context = _context()
+        self._results = context.Queue()
+        try:
+            for worker in range(self.workers):
+                tasks = context.SimpleQueue()
+                process = context.Process(
+                    target=_work,
+                    args=(worker, self.spec, self.dataset, self.batch, self.seed, tasks, self._results),
+                    name=f"gpufeed-bench-worker-{worker}",
+                    daemon=True,
+                )
+                process.start()
+                self._tasks.append(tasks)
+                self._processes.append(process)
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close(graceful=exc is None)
+
+    def close(self, *, graceful: bool = True) -> None:
+        """Stop the workers: after their current task when `graceful`, else at once (an error
+        or Ctrl-C should not wait for batches nobody will take)."""
+        if graceful:
+            for tasks, process in zip(self._tasks, self._processes, strict=True):
+                if process.is_alive():
+                    tasks.put(None)
+        deadline = time.monotonic() + (STOP_TIMEOUT if graceful else 0.0)
+        for process in self._processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if self._results is not None:
+            self._results.close()
+            self._results.cancel_join_thread()
+        self._processes, self._tasks = [], []
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        """The epoch's batches in order; `prefetch` x `workers` are requested ahead."""
+        total = self.batches_per_epoch
+        sent = 0
+        while sent < min(total, self.prefetch * self.workers):
+            self._tasks[sent % self.workers].put((epoch, sent))
+            sent += 1
+        ready: dict[int, Batch] = {}
+        for wanted in range(total):
+            while wanted not in ready:
+                got = self._receive()
+                ready[got.index] = got
+            if sent < total:
+                self._tasks[sent % self.workers].put((epoch, sent))
+                sent += 1
+            yield ready.pop(wanted)
+
+    def _receive(self) -> Batch:
+        while True:
+            try:
+                got = self._results.get(timeout=RESULT_POLL)
+            except queue.Empty:
+                dead = [p for p in self._processes if not p.is_alive()]
+                if dead:
+                    raise LoaderError(f"bench worker {dead[0].name} exited with code {dead[0].exitcode}") from None
+                continue
+            if isinstance(got, _Failure):
+                raise LoaderError(f"bench worker {got.worker}: {got.message}")
+            return got

@@ -1,0 +1,205 @@
+"""The ways a training job can be fed, one registry entry each.
+
+A mode prepares (for `copy`: copies the dataset, timed) and hands the loader a picklable
+`ReaderSpec`; each worker process opens its own reader from it after start-up. A new mode
+(the node cache's `cached`) is one more entry in MODES; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Protocol
+
+from gpufeed.bench.dataset import Dataset
+from gpufeed.client import Client, ObjectHandle
+from gpufeed.config import Settings
+from gpufeed.errors import InvalidArgument
+
+NO_CACHE = MappingProxyType({"cache": "off"})
+"""Mount option of the modes that must read the source itself, never the node cache."""
+COPY_CHUNK = 8 << 20
+COPY_STREAMS = 8
+
+
+class SampleReader(Protocol):
+    source_bytes: int
+    """Bytes this reader fetched from the source (not from local disk or a cache)."""
+
+    def read(self, file: int, start: int, end: int) -> int:
+        """Read bytes [start, end) of dataset file `file`; returns the bytes read."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ReaderSpec(Protocol):
+    """Small and picklable: sent to each worker, which calls `open` in its own process."""
+
+    def open(self, max_record: int) -> SampleReader: ...
+
+
+@dataclass(frozen=True)
+class Prepared:
+    reader: ReaderSpec
+    setup_s: float = 0.0
+    setup_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class RunContext:
+    settings: Settings
+    dataset: Dataset
+    workdir: Path
+    progress: Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """`mount_options` are added to the source's when the bench mounts it for this mode:
+    where the read path's behaviour (caching) is a mount option, a mode sets it here."""
+
+    name: str
+    summary: str
+    prepare: Callable[[RunContext], AbstractContextManager[Prepared]]
+    mount_options: Mapping[str, str] = field(default_factory=dict)
+
+
+# -- direct: every sample through the namespace read path -----------------------------------
+
+
+@dataclass(frozen=True)
+class NamespaceReaderSpec:
+    settings: Settings
+    paths: tuple[str, ...]
+
+    def open(self, max_record: int) -> NamespaceReader:
+        return NamespaceReader(Client(self.settings), self.paths)
+
+
+class NamespaceReader:
+    """Pins each file's version once per worker (one manifest lookup), then issues one
+    ranged read per sample through `Client.read_range`."""
+
+    def __init__(self, client: Client, paths: tuple[str, ...]) -> None:
+        self.client = client
+        self.paths = paths
+        self.handles: dict[int, ObjectHandle] = {}
+        self.source_bytes = 0
+
+    def read(self, file: int, start: int, end: int) -> int:
+        handle = self.handles.get(file)
+        if handle is None:
+            handle = self.handles[file] = self.client.handle(self.paths[file])
+        size = len(self.client.read_range(handle, start, end))
+        self.source_bytes += size
+        return size
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@contextmanager
+def _direct(run: RunContext) -> Iterator[Prepared]:
+    yield Prepared(NamespaceReaderSpec(run.settings, run.dataset.paths))
+
+
+# -- copy: the whole dataset to local disk first, then train from it --------------------------
+
+
+@dataclass(frozen=True)
+class LocalReaderSpec:
+    paths: tuple[str, ...]
+
+    def open(self, max_record: int) -> LocalReader:
+        return LocalReader(self.paths, max_record)
+
+
+class LocalReader:
+    """open + pread into one preallocated buffer per worker, as a loader over local files."""
+
+    def __init__(self, paths: tuple[str, ...], max_record: int) -> None:
+        self.paths = paths
+        self.buffer = memoryview(bytearray(max_record))
+        self.source_bytes = 0
+
+    def read(self, file: int, start: int, end: int) -> int:
+        fd = os.open(self.paths[file], os.O_RDONLY)
+        try:
+            return os.preadv(fd, [self.buffer[: end - start]], start)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.buffer.release()
+
+
+def copy_dataset(client: Client, dataset: Dataset, target: Path) -> tuple[str, ...]:
+    """Copy every file through the read path, COPY_STREAMS chunk reads in flight, each chunk
+    written in place with pwrite; returns the local paths."""
+    free = shutil.disk_usage(target.parent).free
+    if dataset.bytes > free:
+        raise InvalidArgument(f"copy mode needs {dataset.bytes} bytes in {target.parent}, only {free} are free")
+    handles = [client.handle(path) for path in dataset.paths]
+    local = tuple(str(target / path.lstrip("/")) for path in dataset.paths)
+    fds: list[int] = []
+    try:
+        for path, handle in zip(local, handles, strict=True):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            os.ftruncate(fds[-1], handle.size)
+        chunks = [(i, start) for i, h in enumerate(handles) for start in range(0, h.size, COPY_CHUNK)]
+
+        def fetch(chunk: tuple[int, int]) -> None:
+            i, start = chunk
+            os.pwrite(fds[i], client.read_range(handles[i], start, start + COPY_CHUNK), start)
+
+        with ThreadPoolExecutor(COPY_STREAMS) as pool:
+            for _ in pool.map(fetch, chunks):
+                pass
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return local
+
+
+@contextmanager
+def _copy(run: RunContext) -> Iterator[Prepared]:
+    target = run.workdir / "copy"
+    client = Client(run.settings)
+    try:
+        run.progress(f"copy: copying {len(run.dataset.paths)} files to local disk")
+        started = time.perf_counter()
+        local = copy_dataset(client, run.dataset, target)
+        elapsed = time.perf_counter() - started
+        yield Prepared(LocalReaderSpec(local), elapsed, run.dataset.bytes)
+    finally:
+        client.close()
+        shutil.rmtree(target, ignore_errors=True)
+
+
+MODES: dict[str, Mode] = {
+    mode.name: mode
+    for mode in (
+        Mode("direct", "every sample read from the source through the namespace, no cache", _direct, NO_CACHE),
+        Mode("copy", "the dataset copied to local disk first (copy time counted), then read locally", _copy, NO_CACHE),
+    )
+}
+
+
+def parse_modes(text: str | None) -> list[Mode]:
+    """`direct,copy` into modes; unknown names are refused naming the valid ones."""
+    if not text:
+        return list(MODES.values())
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MODES]
+    if unknown or not names:
+        raise InvalidArgument(f"unknown mode {', '.join(unknown) or repr(text)} (valid: {', '.join(MODES)})")
+    return [MODES[name] for name in dict.fromkeys(names)]

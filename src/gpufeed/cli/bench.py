@@ -1,0 +1,131 @@
+"""`gpufeed bench` (a training-job emulator over a source) and `gpufeed bench generate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from gpufeed.bench.generate import generate as write_dataset
+from gpufeed.bench.metrics import BenchReport
+from gpufeed.bench.modes import MODES, parse_modes
+from gpufeed.bench.remote import DEFAULT_LATENCY_MS
+from gpufeed.bench.report import table, write_json, write_plot
+from gpufeed.bench.runner import BenchConfig, run_bench
+from gpufeed.bench.workloads import WORKLOADS, Workload, workload
+from gpufeed.cli.console import err, human_bytes, out
+from gpufeed.errors import InvalidArgument
+from gpufeed.namespace import parse_options
+
+app = typer.Typer(help="Emulate a training job reading a source and measure how busy its accelerators stay.")
+
+WORKLOAD = typer.Option(None, "--workload", "-w", help=f"One of: {', '.join(WORKLOADS)}.")
+SCALE = typer.Option(None, "--scale", help="Multiply the sample count (0.001 fits a laptop).")
+SAMPLES = typer.Option(None, "--samples", help="Number of samples.")
+SAMPLES_PER_FILE = typer.Option(None, "--samples-per-file", help="Records per file.")
+RECORD_SIZE = typer.Option(None, "--record-size", help="Bytes per sample.")
+OPTIONS = typer.Option([], "--opt", "-o", help="Source option key=value, as for 'mount add' (repeatable).")
+SEED = typer.Option(0, "--seed", help="Seed for data and shuffles.")
+
+
+def progress(line: str) -> None:
+    err.print(line, style="dim", markup=False, highlight=False)
+
+
+def check_outputs(*paths: Optional[Path]) -> None:
+    """Refuse an output path in a missing directory before the run, not after it."""
+    for path in filter(None, paths):
+        if not path.parent.is_dir():
+            raise InvalidArgument(f"{path}: directory {path.parent} does not exist")
+
+
+def print_report(report: BenchReport, json_out: Optional[Path], plot: Optional[Path]) -> None:
+    out.print(table(report))
+    if json_out is not None:
+        write_json(report, json_out)
+        out.print(f"JSON: {json_out}", markup=False, highlight=False)
+    if plot is not None:
+        write_plot(report, plot)
+        out.print(f"chart: {plot}", markup=False, highlight=False)
+
+
+@app.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    workload_name: Optional[str] = WORKLOAD,
+    source: Optional[str] = typer.Option(None, "--source", "-s", help="Dataset URL: file:///dir, s3://bucket/prefix, http://host/prefix."),
+    opt: list[str] = OPTIONS,
+    mode: Optional[str] = typer.Option(
+        None, "--mode", "-m", help="Comma-separated modes, default all: " + "; ".join(f"{m.name}: {m.summary}" for m in MODES.values())
+    ),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs per mode."),
+    latency_ms: Optional[float] = typer.Option(None, "--latency-ms", help="Emulate a remote store with this first-byte latency in ms (20 when only --bandwidth is given)."),
+    bandwidth: Optional[float] = typer.Option(None, "--bandwidth", help="Emulate a remote store capped at this many MB/s (10^6 bytes/s)."),
+    remote: bool = typer.Option(False, "--remote", help=f"Emulate a remote store with the default {DEFAULT_LATENCY_MS:g} ms latency."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart (AU and time per mode) here."),
+    record_size: Optional[int] = RECORD_SIZE,
+    samples: Optional[int] = SAMPLES,
+    samples_per_file: Optional[int] = SAMPLES_PER_FILE,
+    batch: Optional[int] = typer.Option(None, "--batch", help="Samples per batch."),
+    compute: Optional[float] = typer.Option(None, "--compute", help="Emulated accelerator seconds per batch."),
+    accelerators: Optional[int] = typer.Option(None, "--accelerators", help="Emulated accelerators (data-parallel, lockstep)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="DataLoader worker processes per accelerator."),
+    prefetch: Optional[int] = typer.Option(None, "--prefetch", help="Batches in flight per worker (prefetch_factor)."),
+    scale: Optional[float] = SCALE,
+    seed: int = SEED,
+) -> None:
+    """Run the workload against --source in each mode; print AU, throughput and latency."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if source is None:
+        raise InvalidArgument("--source URL is required (write a dataset with 'gpufeed bench generate')")
+    check_outputs(json_out, plot)
+    work = workload(
+        workload_name,
+        scale=scale,
+        compute=compute,
+        record_size=record_size,
+        samples=samples,
+        samples_per_file=samples_per_file,
+        batch=batch,
+        accelerators=accelerators,
+        workers=workers,
+        epochs=epochs,
+        prefetch=prefetch,
+    )
+    config = BenchConfig(
+        work,
+        source,
+        parse_options(opt),
+        tuple(parse_modes(mode)),
+        latency_ms=DEFAULT_LATENCY_MS if remote and latency_ms is None else latency_ms,
+        bandwidth_mbps=bandwidth,
+        seed=seed,
+    )
+    print_report(run_bench(config, progress), json_out, plot)
+
+
+@app.command("generate")
+def generate(
+    dest: str = typer.Argument(..., help="Where to write: file:///dir, s3://bucket/prefix, gs://…, az://…"),
+    workload_name: Optional[str] = WORKLOAD,
+    scale: Optional[float] = SCALE,
+    samples: Optional[int] = SAMPLES,
+    samples_per_file: Optional[int] = SAMPLES_PER_FILE,
+    record_size: Optional[int] = RECORD_SIZE,
+    opt: list[str] = OPTIONS,
+    seed: int = SEED,
+) -> None:
+    """Write a dataset of the workload's shape (random bytes; valid npz and JPEG files)."""
+    work: Workload = workload(
+        workload_name, scale=scale, samples=samples, samples_per_file=samples_per_file, record_size=record_size
+    )
+    result = write_dataset(work, dest, parse_options(opt), seed=seed)
+    out.print(
+        f"wrote {result.files} {work.format} files, {human_bytes(result.bytes)} "
+        f"({work.files * work.samples_per_file} samples) to {result.url} in {result.seconds:.1f} s",
+        markup=False,
+        highlight=False,
+    )

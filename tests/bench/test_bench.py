@@ -1,0 +1,116 @@
+"""Known answers: AU is compute / (compute + exposed I/O), and the report files are written.
+
+One worker with prefetch makes the prediction simple: the worker reads a batch (batch x
+per-sample latency) while the accelerator computes the previous one, so each step takes
+max(compute, batch x latency) and AU = compute / max(compute, batch x latency).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpufeed.bench.modes import MODES
+from gpufeed.bench.runner import BenchConfig, run_bench
+from tests.bench.helpers import dataset, gpufeed, one_error_line, tiny
+
+DIRECT = (MODES["direct"],)
+
+
+def test_zero_latency_local_source_keeps_the_accelerator_busy(tmp_path: Path) -> None:
+    work = tiny(samples=48, batch=4, compute=0.05)
+    report = run_bench(BenchConfig(work, dataset(tmp_path, work), modes=DIRECT))
+    (epoch,) = report.modes[0].epochs
+    assert (epoch.mode, epoch.epoch, epoch.samples, epoch.steps) == ("direct", 1, 48, 12)
+    assert epoch.au >= 0.9
+    assert epoch.compute_s == pytest.approx(12 * 0.05)
+
+
+def test_injected_latency_lowers_au_as_predicted(tmp_path: Path) -> None:
+    work = tiny(samples=48, batch=4, compute=0.04)
+    report = run_bench(BenchConfig(work, dataset(tmp_path, work), modes=DIRECT, latency_ms=20))
+    (epoch,) = report.modes[0].epochs
+    latency = epoch.latency_mean_ms / 1000
+    assert latency >= 0.020
+    predicted = work.compute / max(work.compute, work.batch * latency)  # about 0.5
+    assert predicted < 0.6
+    assert epoch.au == pytest.approx(predicted, rel=0.2)
+
+
+def test_latency_hidden_behind_longer_compute_costs_no_au(tmp_path: Path) -> None:
+    work = tiny(samples=32, batch=4, compute=0.15)  # reading a batch takes ~4 x 21 ms < 150 ms
+    report = run_bench(BenchConfig(work, dataset(tmp_path, work), modes=DIRECT, latency_ms=20))
+    (epoch,) = report.modes[0].epochs
+    assert epoch.latency_p50_ms >= 20
+    assert epoch.au >= 0.9
+
+
+def test_copy_reads_the_source_once_then_trains_locally(tmp_path: Path) -> None:
+    work = tiny(samples=24, batch=4, compute=0.01, epochs=2)
+    report = run_bench(BenchConfig(work, dataset(tmp_path, work), modes=(MODES["copy"], MODES["direct"])))
+    copy, direct = report.modes
+    size = 24 * 114_660
+    assert report.dataset_bytes == size and report.record_size == 114_660
+    assert copy.setup_s > 0 and copy.setup_bytes == size
+    assert [e.source_bytes for e in copy.epochs] == [0, 0]
+    assert [e.source_bytes for e in direct.epochs] == [size, size]
+    assert copy.source_bytes == size and direct.source_bytes == 2 * size
+
+
+def test_accelerators_step_in_lockstep(tmp_path: Path) -> None:
+    work = tiny(samples=32, batch=4, compute=0.02, accelerators=2)
+    report = run_bench(BenchConfig(work, dataset(tmp_path, work), modes=DIRECT))
+    (epoch,) = report.modes[0].epochs
+    assert (epoch.samples, epoch.steps) == (32, 4)
+
+
+def test_cli_writes_table_json_and_png(tmp_path: Path) -> None:
+    work = tiny(samples=24)
+    source = dataset(tmp_path / "data", work)
+    result = gpufeed(
+        "bench", "--workload", "resnet50", "--source", source, "--samples", "24", "--batch", "4",
+        "--compute", "0.01", "--workers", "1", "--epochs", "2", "--latency-ms", "5",
+        "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "direct" in result.stdout and "copy" in result.stdout and "emulated remote: 5 ms" in result.stdout
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["latency_ms"] == 5 and data["workload"]["name"] == "resnet50"
+    results = data["results"]
+    assert [(r["mode"], r["epoch"]) for r in results] == [("direct", 1), ("direct", 2), ("copy", 1), ("copy", 2)]
+    assert all(0 < r["au"] <= 1 for r in results)
+    assert {m["mode"] for m in data["modes"]} == {"direct", "copy"}
+    assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_source_too_small_for_the_run_is_refused(tmp_path: Path) -> None:
+    source = dataset(tmp_path, tiny(samples=8, samples_per_file=4))
+    line = one_error_line(gpufeed("bench", "-w", "resnet50", "-s", source, "--samples", "16", "--samples-per-file", "4"), 2)
+    assert "has 2 files" in line and "needs 4" in line and "gpufeed bench generate" in line
+
+
+def test_a_source_of_another_record_size_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    source = dataset(tmp_path, tiny(samples=8))  # one file of 8 records
+    line = one_error_line(gpufeed("bench", "-w", "resnet50", "-s", source, "--samples", "16"), 2)
+    assert "average 57,330 B" in line and "--samples-per-file 8" in line
+    one_file_of_eight = gpufeed(
+        "bench", "-w", "resnet50", "-s", source, "--samples", "4", "--samples-per-file", "8", "--batch", "2",
+        "--compute", "0", "--workers", "1", "--epochs", "1", "--mode", "direct",
+    )
+    assert one_file_of_eight.returncode == 0, one_file_of_eight.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("-w", "resnet", "-s", "file:///tmp"), "unknown workload 'resnet' (valid: resnet50, unet3d, cosmoflow, bert"),
+        (("-w", "bert", "-s", "file:///tmp", "--mode", "direct,cached"), "unknown mode cached (valid: direct, copy"),
+        (("-w", "bert",), "--source URL is required"),
+        (("-w", "bert", "-s", "file:///tmp", "--json", "/no/such/dir/out.json"), "directory /no/such/dir does not exist"),
+        (("-w", "bert", "-s", "https://example.com/x", "--latency-ms", "5", "--samples", "1"), "only plain http"),
+    ],
+)
+def test_bad_input_is_one_line(args: tuple[str, ...], needle: str) -> None:
+    assert needle in one_error_line(gpufeed("bench", *args), 2)
