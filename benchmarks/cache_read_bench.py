@@ -25,6 +25,7 @@ from pathlib import Path
 import fsspec
 
 import gpufeed
+from gpufeed.agent.client import stop_agent
 from gpufeed.namespace import Namespace
 
 
@@ -109,9 +110,7 @@ def main() -> None:
             f"gpufeed.read(path) / simplecache:: = {path_rate / simple_rate:.1f}x\n"
         )
     finally:
-        from gpufeed.agent.client import AgentClient
-
-        AgentClient(gpufeed.client().settings).request({"op": "shutdown"}, start=False)
+        stop_agent(gpufeed.client().settings)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from gpufeed.agent.client import stop_agent
 from gpufeed.config import Settings
 from gpufeed.namespace import Namespace
 
@@ -146,69 +147,25 @@ def redis_url(server_dir: Path) -> Iterator[str]:
     _stop(process)
 
 
-NGINX_CONF = """
-{user}
-daemon off;
-worker_processes 1;
-pid {run}/nginx.pid;
-error_log {run}/error.log warn;
-events {{ worker_connections 256; }}
-http {{
-    access_log {run}/access.log;
-    client_body_temp_path {run}/body;
-    proxy_temp_path {run}/proxy;
-    fastcgi_temp_path {run}/fastcgi;
-    uwsgi_temp_path {run}/uwsgi;
-    scgi_temp_path {run}/scgi;
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
-            root {root};
-            autoindex on;
-            autoindex_format json;
-        }}
-    }}
-}}
-"""
-
-
 @dataclass
 class HttpServer:
     root: Path
     url: str
+    access_log: Path
 
 
 @pytest.fixture(scope="session")
 def nginx(server_dir: Path) -> Iterator[HttpServer]:
-    """nginx serving a directory with a JSON autoindex and byte ranges."""
-    run = server_dir / "nginx"
+    """nginx serving a directory with a JSON autoindex and byte ranges, logging every request."""
+    from gpufeed.bench.server import find_nginx, serving
+
+    if find_nginx() is None:
+        need_binary("nginx")
     root = server_dir / "www"
-    run.mkdir()
     root.mkdir()
-    port = free_port()
-    conf = run / "nginx.conf"
-    user = "user root;" if os.geteuid() == 0 else ""  # workers must read pytest's private temp dirs
-    conf.write_text(NGINX_CONF.format(user=user, run=run, port=port, root=root))
-    process = _start([need_binary("nginx"), "-c", str(conf), "-e", str(run / "error.log")], port, "nginx", run / "out.log")
-    yield HttpServer(root, f"http://127.0.0.1:{port}")
-    _stop(process)
-
-
-def stop_agent(cache_dir: Path) -> None:
-    """Shut down the agent serving `cache_dir`, if one runs, and wait until it is gone."""
-    from gpufeed.agent import protocol
-    from gpufeed.agent.client import connect
-
-    sock = connect(cache_dir)
-    if sock is None:
-        return
-    with sock:
-        sock.sendall(protocol.encode({"op": "shutdown"}))
-        protocol.recv(sock)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (probe := connect(cache_dir)) is not None:
-        probe.close()
-        time.sleep(0.02)
+    log = server_dir / "nginx" / "access.log"
+    with serving(root, server_dir / "nginx", access_log=log) as url:
+        yield HttpServer(root, url, log)
 
 
 @pytest.fixture(autouse=True)
@@ -228,7 +185,7 @@ def gpufeed_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     gpufeed._default = None
     yield home
     gpufeed._default = None
-    stop_agent(home / "cache")
+    stop_agent(Settings.from_env())
 
 
 @pytest.fixture(params=["sqlite", "redis"])

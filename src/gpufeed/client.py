@@ -50,6 +50,9 @@ class Client:
         self.namespace = namespace or Namespace(settings)
         self.settings = self.namespace.settings
         self.agent = AgentClient(self.settings)
+        self.source_bytes = 0
+        """Bytes this client caused to be read from sources: its direct reads and the blocks
+        the agent fetched for it (a block another process had already asked for is not counted)."""
         self.hits = HitReporter(self.agent)
         weakref.finalize(self, self.hits.flush)
         self._warned: set[str] = set()
@@ -95,9 +98,11 @@ class Client:
             return memoryview(b"")
         expect = None if handle.mount.immutable else handle.info
         try:
-            return handle.source.get_range(handle.info.key, start, end, expect)
+            data = handle.source.get_range(handle.info.key, start, end, expect)
         except (ObjectMissing, ObjectChanged) as exc:
             raise self._explain(handle, exc) from exc
+        self.source_bytes += len(data)
+        return data
 
     def read_range(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
         """Bytes [start, end) of the pinned version, clipped to the object's size."""
@@ -183,6 +188,7 @@ class Client:
         except AgentUnavailable as exc:
             self._warn_once("agent", f"{exc}; reading without the cache")
             return set(blocks)
+        self.source_bytes += reply.get("fetched", 0)
         if reply.get("errors"):
             raise self._explain(handle, error_from(reply["errors"][0]))
         uncached = {index for _, index in reply.get("uncached", ())}

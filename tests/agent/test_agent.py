@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import gpufeed
-from gpufeed.agent.client import AgentClient, connect
+from gpufeed.agent.client import AgentClient, connect, stop_agent
 from gpufeed.client import Client
 from gpufeed.config import Settings
 from gpufeed.namespace import Namespace
@@ -220,9 +221,7 @@ def test_full_filesystem_serves_uncached_with_one_warning(tmp_path: Path, files:
         warnings = [line for line in err.splitlines() if "warning" in line]
         assert len(warnings) == 1 and "cannot hold more blocks" in warnings[0], err
     finally:
-        from tests.conftest import stop_agent
-
-        stop_agent(tiny / "cache")
+        stop_agent(dataclasses.replace(Settings.from_env(), cache_dirs=(tiny / "cache",)))
         subprocess.run(["umount", "-l", str(tiny)], check=False)
 
 
@@ -230,7 +229,7 @@ def test_single_flight_across_processes_and_threads(nginx: HttpServer, tmp_path:
     site = nginx.root / f"sf-{tmp_path.name}"
     expected = make_files(site, 120, 2000)
     Namespace().add_mount("/web", f"{nginx.url}/{site.name}")
-    log = Path(str(nginx.root.parent / "nginx" / "access.log"))
+    log = nginx.access_log
     before = log.read_text().count(f"GET /{site.name}/0")
     code = """
         import hashlib, sys, threading, gpufeed

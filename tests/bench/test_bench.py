@@ -59,6 +59,26 @@ def test_copy_reads_the_source_once_then_trains_locally(tmp_path: Path) -> None:
     assert copy.source_bytes == size and direct.source_bytes == 2 * size
 
 
+def test_cached_reads_the_source_in_epoch_one_only_and_stops_its_agent(tmp_path: Path) -> None:
+    work = tiny(samples=24, batch=4, compute=0.01, epochs=3, workers=2)
+    report = run_bench(BenchConfig(work, dataset(tmp_path / "data", work), modes=(MODES["cached"],), latency_ms=20))
+    (cached,) = report.modes
+    first, *warm = cached.epochs
+    assert first.source_bytes == 24 * 114_660, "every block fetched once, across both workers"
+    assert [e.source_bytes for e in warm] == [0, 0]
+    assert all(e.latency_p50_ms < 20 for e in warm), "warm samples come from local disk"
+    assert all(e.au >= 0.9 for e in warm)
+    agents = [p for p in Path("/proc").glob("[0-9]*") if b"gpufeed-bench-" in _cmdline(p) and b"agent" in _cmdline(p)]
+    assert agents == [], "the run's private agent is gone"
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def test_accelerators_step_in_lockstep(tmp_path: Path) -> None:
     work = tiny(samples=32, batch=4, compute=0.02, accelerators=2)
     report = run_bench(BenchConfig(work, dataset(tmp_path, work), modes=DIRECT))
@@ -75,13 +95,15 @@ def test_cli_writes_table_json_and_png(tmp_path: Path) -> None:
         "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png"),
     )
     assert result.returncode == 0, result.stderr
-    assert "direct" in result.stdout and "copy" in result.stdout and "emulated remote: 5 ms" in result.stdout
+    assert all(m in result.stdout for m in ("direct", "copy", "cached")) and "emulated remote: 5 ms" in result.stdout
     data = json.loads((tmp_path / "out.json").read_text())
     assert data["latency_ms"] == 5 and data["workload"]["name"] == "resnet50"
     results = data["results"]
-    assert [(r["mode"], r["epoch"]) for r in results] == [("direct", 1), ("direct", 2), ("copy", 1), ("copy", 2)]
+    assert [(r["mode"], r["epoch"]) for r in results] == [
+        (mode, epoch) for mode in ("direct", "copy", "cached") for epoch in (1, 2)
+    ]
     assert all(0 < r["au"] <= 1 for r in results)
-    assert {m["mode"] for m in data["modes"]} == {"direct", "copy"}
+    assert {m["mode"] for m in data["modes"]} == {"direct", "copy", "cached"}
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -106,7 +128,7 @@ def test_a_source_of_another_record_size_is_refused_with_the_way_out(tmp_path: P
     ("args", "needle"),
     [
         (("-w", "resnet", "-s", "file:///tmp"), "unknown workload 'resnet' (valid: resnet50, unet3d, cosmoflow, bert"),
-        (("-w", "bert", "-s", "file:///tmp", "--mode", "direct,cached"), "unknown mode cached (valid: direct, copy"),
+        (("-w", "bert", "-s", "file:///tmp", "--mode", "direct,warm"), "unknown mode warm (valid: direct, copy, cached"),
         (("-w", "bert",), "--source URL is required"),
         (("-w", "bert", "-s", "file:///tmp", "--json", "/no/such/dir/out.json"), "directory /no/such/dir does not exist"),
         (("-w", "bert", "-s", "https://example.com/x", "--latency-ms", "5", "--samples", "1"), "only plain http"),

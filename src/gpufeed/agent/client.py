@@ -169,3 +169,26 @@ class HitReporter:
                 self.agent.request({"op": "hits", "blocks": [f"{oid}-{index}" for oid, index in batch]}, start=False)
             except AgentUnavailable:
                 pass  # only eviction hints are lost
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def stop_agent(settings: Settings, timeout: float = 10.0) -> int | None:
+    """Ask the agent for the settings' cache dir to exit and wait until its process is gone;
+    returns its pid, or None when no agent was running."""
+    agent = AgentClient(settings)
+    try:
+        pid = agent.request({"op": "hello"}, start=False)["pid"]
+        agent.request({"op": "shutdown"}, start=False)
+    except AgentUnavailable:
+        return None
+    deadline = time.monotonic() + timeout
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return pid

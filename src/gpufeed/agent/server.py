@@ -137,9 +137,10 @@ class Agent:
             source = self.sources[key] = open_source(spec["url"], spec["options"], self.settings)
         return source
 
-    async def block(self, source: Source, obj: dict[str, Any], index: int, repair: bool) -> str:
-        """Make block `index` of `obj` present; returns 'ok', or 'uncached' when the cache
-        cannot hold it (the client then reads the source itself)."""
+    async def block(self, source: Source, obj: dict[str, Any], index: int, repair: bool) -> tuple[str, int]:
+        """Make block `index` of `obj` present; returns ('ok' or 'uncached', bytes this call
+        fetched from the source). 'uncached': the cache cannot hold it and the client reads the
+        source itself. A call that joins another's fetch fetched nothing."""
         oid = obj["oid"]
         name = f"{oid}-{index}"
         if index < 0 or index * obj["block_size"] >= obj["size"]:
@@ -151,20 +152,20 @@ class Agent:
             self.sizes.pop(name, None)
             self.stats["repairs"] += 1
         elif name in self.policy:
-            return "ok"
+            return "ok", 0
         pending = self.inflight.get(name)
         if pending is not None:
-            return await asyncio.shield(pending)
+            return await asyncio.shield(pending), 0
         length = min(obj["block_size"], obj["size"] - index * obj["block_size"])
         if time.monotonic() < self.full_until or length > self.limit():
             self.stats["uncached"] += 1
-            return "uncached"
+            return "uncached", 0
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.inflight[name] = future
         try:
             result = await self._fetch_and_publish(source, obj, index, name, path)
             future.set_result(result)
-            return result
+            return result, length
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # a waiter re-raises it; nobody waiting is fine too
@@ -210,18 +211,23 @@ class Agent:
             obj["oid"] = object_id(identity, obj["key"], version, obj["block_size"])
         uncached: list[list[int]] = []
         failures: list[dict[str, Any]] = []
+        fetched = 0
 
         async def one(i: int, obj: dict[str, Any], index: int) -> None:
+            nonlocal fetched
             try:
-                if await self.block(source, obj, index, index in obj.get("repair", ())) == "uncached":
-                    uncached.append([i, index])
+                status, got = await self.block(source, obj, index, index in obj.get("repair", ()))
             except GpufeedError as exc:
                 failures.append({"object": i, "error": type(exc).__name__, "message": str(exc)})
+                return
+            fetched += got
+            if status == "uncached":
+                uncached.append([i, index])
 
         await asyncio.gather(
             *(one(i, obj, index) for i, obj in enumerate(message["objects"]) for index in obj["blocks"])
         )
-        return {"ok": not failures, "uncached": uncached, "errors": failures}
+        return {"ok": not failures, "uncached": uncached, "errors": failures, "fetched": fetched}
 
     # -- serving ----------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gpufeed.bench.children import free_port, helper, python_module, until_parent_exits
+from gpufeed.errors import InvalidArgument
 
 NGINX_CONF = """
 daemon off;
@@ -28,7 +29,7 @@ pid {run}/nginx.pid;
 error_log {run}/nginx-error.log warn;
 events {{ worker_connections 1024; }}
 http {{
-    access_log off;
+    access_log {access_log};
     sendfile on;
     keepalive_requests 1000000;
     client_body_temp_path {run}/body;
@@ -53,15 +54,19 @@ def find_nginx() -> str | None:
 
 
 @contextmanager
-def serving(root: Path, run_dir: Path, *, prefer_nginx: bool = True) -> Iterator[str]:
+def serving(root: Path, run_dir: Path, *, prefer_nginx: bool = True, access_log: Path | None = None) -> Iterator[str]:
     """Serve `root` until the block ends; yields the base URL (http://127.0.0.1:PORT).
-    `run_dir` holds the server's config and logs."""
-    nginx = find_nginx() if prefer_nginx else None
+    `run_dir` holds the server's config and logs. With `access_log`, nginx logs every request
+    there (to count what reached the store); that needs nginx."""
+    nginx = find_nginx() if prefer_nginx or access_log else None
     run_dir.mkdir(parents=True, exist_ok=True)
+    if access_log is not None and nginx is None:
+        raise InvalidArgument("counting requests at the server needs nginx (apt-get install nginx-light)")
     if nginx is not None:
         port = free_port()
         conf = run_dir / "nginx.conf"
-        conf.write_text(NGINX_CONF.format(run=run_dir, port=port, root=root.resolve()))
+        log = str(access_log) if access_log is not None else "off"
+        conf.write_text(NGINX_CONF.format(run=run_dir, port=port, root=root.resolve(), access_log=log))
         argv = [nginx, "-c", str(conf), "-e", str(run_dir / "nginx-error.log")]
         with helper(argv, "nginx", run_dir / "nginx.log", port=port):
             yield f"http://127.0.0.1:{port}"

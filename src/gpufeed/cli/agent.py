@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from gpufeed.agent.client import AgentClient, connect, spawn_agent
+from gpufeed.agent.client import AgentClient, connect, spawn_agent, stop_agent
 from gpufeed.agent.server import AgentConfig, run_agent
 from gpufeed.cli.console import human_bytes, out
 from gpufeed.config import Settings, parse_size
@@ -68,17 +67,9 @@ def start(ctx: typer.Context) -> None:
 def stop(ctx: typer.Context) -> None:
     """Stop the agent for the cache dir; readers fall back or start a new one on demand."""
     settings: Settings = ctx.obj
+    pid = stop_agent(settings)
     primary = settings.cache_dirs[0]
-    if (sock := connect(primary)) is None:
-        out.print(f"no agent running for {primary}", highlight=False)
-        return
-    sock.close()
-    AgentClient(settings).request({"op": "shutdown"})
-    deadline = time.monotonic() + 10
-    while (sock := connect(primary)) is not None and time.monotonic() < deadline:
-        sock.close()
-        time.sleep(0.05)
-    out.print(f"stopped the agent for {primary}", highlight=False)
+    out.print(f"stopped agent {pid} for {primary}" if pid else f"no agent running for {primary}", highlight=False)
 
 
 @app.command()
