@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from gpufeed.agent.client import AgentClient, AgentUnavailable, HitReporter
-from gpufeed.agent.server import error_from
+from gpufeed.agent.protocol import error_from
 from gpufeed.cache import blockfile
 from gpufeed.cache.layout import BlockRef, CorruptBlock, object_id
 from gpufeed.config import Settings
@@ -59,6 +59,7 @@ class Client:
 
     def close(self) -> None:
         self.hits.flush()
+        self.agent.close()
         self.namespace.close()
 
     def _warn_once(self, topic: str, message: str) -> None:
@@ -79,7 +80,7 @@ class Client:
         policy = CachePolicy.of(mount, self.settings)
         blocks = None
         if policy.enabled and info.size > 0 and (dirs := self._cache_dirs()) is not None:
-            oid = object_id(source_identity(mount.url, mount.options), info.key, info.version, policy.block_size)
+            oid = object_id(source_identity(mount.url, mount.options), info.key, info.version, policy.block_size, not mount.immutable)
             blocks = BlockRef.of(dirs, oid, policy.block_size, info.size, policy.verify)
         return ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, blocks)
 
@@ -198,7 +199,7 @@ class Client:
 
     def cached_bytes(self, path: str) -> Iterator[tuple[FileStat, int]]:
         """(file, bytes of it present in the cache) for every file under `path`; reads no data."""
-        dirs = self.settings.cache_dirs
+        dirs = self.agent.dirs
         for item in self.namespace.walk(path):
             where = self.namespace.resolve(item.path)
             assert where is not None and item.version is not None
@@ -207,7 +208,8 @@ class Client:
                 yield item, 0
                 continue
             identity = source_identity(where.mount.url, where.mount.options)
-            ref = BlockRef.of(dirs, object_id(identity, where.key, item.version, policy.block_size), policy.block_size, item.size, False)
+            oid = object_id(identity, where.key, item.version, policy.block_size, not where.mount.immutable)
+            ref = BlockRef.of(dirs, oid, policy.block_size, item.size, False)
             count = -(-item.size // policy.block_size)
             yield item, sum(ref.length(i) for i in range(count) if os.path.exists(ref.path(i)))
 

@@ -24,10 +24,6 @@ class PathNotFound(NamespacePathError, FileNotFoundError):
     pass
 
 
-class NotADirectory(NamespacePathError, NotADirectoryError):
-    pass
-
-
 class IsADirectory(NamespacePathError, IsADirectoryError):
     pass
 

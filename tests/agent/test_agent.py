@@ -19,6 +19,7 @@ import gpufeed
 from gpufeed.agent.client import AgentClient, connect, stop_agent
 from gpufeed.client import Client
 from gpufeed.config import Settings
+from gpufeed.errors import ObjectChanged
 from gpufeed.namespace import Namespace
 from tests.conftest import HttpServer
 
@@ -250,3 +251,56 @@ def test_single_flight_across_processes_and_threads(nginx: HttpServer, tmp_path:
     time.sleep(0.2)  # nginx writes its access log line after the response; let the last lines land
     gets = log.read_text().count(f"GET /{site.name}/0") - before
     assert gets == len(expected) == 120
+
+
+def test_immutable_and_strict_mounts_never_share_blocks(tmp_path: Path) -> None:
+    root = tmp_path / "shared"
+    make_files(root, 1, 5000)
+    Namespace().add_mount("/imm", f"file://{root}", immutable=True)
+    Namespace().add_mount("/strict", f"file://{root}")
+    (root / "00000.bin").write_bytes(b"version two " * 417)
+    assert gpufeed.read("/imm/00000.bin").startswith(b"version two"), "immutable: no version check"
+    with pytest.raises(ObjectChanged):
+        gpufeed.read("/strict/00000.bin")
+
+
+def test_a_short_read_from_the_source_is_never_published(tmp_path: Path) -> None:
+    root = tmp_path / "shrinks"
+    make_files(root, 1, 100_000)
+    Namespace().add_mount("/s", f"file://{root}", {"verify": "never"}, immutable=True)
+    os.truncate(root / "00000.bin", 30_000)
+    with pytest.raises(ObjectChanged, match="returned 30000 bytes"):
+        gpufeed.read("/s/00000.bin", 1000, 16)
+    assert stats()["blocks"] == 0
+
+
+def test_a_block_deleted_behind_the_agents_back_is_fetched_again(files: dict[str, bytes], gpufeed_home: Path) -> None:
+    assert gpufeed.read("/data/00007.bin") == files["00007.bin"]
+    [block] = block_files(gpufeed_home / "cache")
+    block.unlink()
+    assert gpufeed.read("/data/00007.bin") == files["00007.bin"]
+    assert block.exists() and stats()["misses"] == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_another_user_cannot_use_the_agent(files: dict[str, bytes], gpufeed_home: Path) -> None:
+    from gpufeed.agent import protocol
+
+    gpufeed.read("/data/00001.bin")
+    child = os.fork()
+    if child == 0:  # become nobody, then ask the agent for its stats
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            sock = connect(gpufeed_home / "cache", 5)
+            assert sock is not None
+            sock.sendall(protocol.encode({"op": "stats"}))
+            protocol.recv(sock)
+        except ConnectionError:
+            code = 7
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 7, "the agent answered another user"
+    assert oct((gpufeed_home / "cache").stat().st_mode & 0o777) == "0o700"

@@ -23,8 +23,9 @@ from gpufeed.errors import GpufeedError
 HIT_REPORT_BATCH = 512
 HIT_REPORT_INTERVAL_S = 2.0
 START_TIMEOUT_S = 20.0
+START_BACKOFF_S = 10.0
 ATTEMPTS = 4
-EXIT_ALREADY_RUNNING = 3
+EXIT_ALREADY_RUNNING = 3  # AgentRunning's exit code: another starter won the race; connect to it
 
 
 class AgentUnavailable(GpufeedError):
@@ -44,7 +45,7 @@ def agent_command(settings: Settings, idle_timeout: float | None) -> list[str]:
 def spawn_agent(settings: Settings, idle_timeout: float | None) -> subprocess.Popen:
     """Start an agent in its own session, logging to agent.log in the primary cache dir."""
     primary = settings.cache_dirs[0]
-    primary.mkdir(parents=True, exist_ok=True)
+    primary.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(primary / "agent.log", "ab") as log:
         return subprocess.Popen(
             agent_command(settings, idle_timeout),
@@ -55,13 +56,16 @@ def spawn_agent(settings: Settings, idle_timeout: float | None) -> subprocess.Po
         )
 
 
-def connect(primary: Path) -> socket.socket | None:
+def connect(primary: Path, timeout: float | None = None) -> socket.socket | None:
+    """A connection to the agent for `primary`, or None when none listens. `timeout` bounds
+    each send and receive, so a hung agent cannot hang its readers."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(protocol.address(primary))
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         return None
+    sock.settimeout(timeout)
     return sock
 
 
@@ -79,12 +83,14 @@ class AgentClient:
         self.primary = settings.cache_dirs[0]
         self._local = threading.local()
         self._hello: dict[str, Any] | None = None
+        self._start_after = 0.0
+        self.timeout = max(120.0, 2 * settings.request_timeout + settings.retry_timeout)
 
     def _socket(self, start: bool) -> socket.socket:
         sock = getattr(self._local, "sock", None)
         if sock is not None and self._local.pid == os.getpid():
             return sock
-        sock = self._connect_or_start() if start else connect(self.primary)
+        sock = self._connect_or_start() if start else connect(self.primary, self.timeout)
         if sock is None:
             raise ConnectionRefusedError(f"no agent is running for {self.primary}")
         self._local.sock, self._local.pid = sock, os.getpid()
@@ -96,17 +102,30 @@ class AgentClient:
             sock.close()
         self._local.sock = None
 
+    def close(self) -> None:
+        self._drop()
+
     def _connect_or_start(self) -> socket.socket:
-        sock = connect(self.primary)
+        sock = connect(self.primary, self.timeout)
         if sock is not None:
             return sock
+        if time.monotonic() < self._start_after:
+            raise AgentUnavailable(f"the agent for {self.primary} failed to start moments ago")
         try:
-            process = spawn_agent(self.settings, self.settings.agent_idle_timeout)
+            return self.start(self.settings.agent_idle_timeout)
+        except AgentUnavailable:
+            self._start_after = time.monotonic() + START_BACKOFF_S  # don't spawn one per read
+            raise
+
+    def start(self, idle_timeout: float | None) -> socket.socket:
+        """Start an agent and connect to it (or to the one that won a race to start)."""
+        try:
+            process = spawn_agent(self.settings, idle_timeout)
         except OSError as exc:
             raise AgentUnavailable(f"cannot start the agent for {self.primary}: {exc}") from exc
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            sock = connect(self.primary)
+            sock = connect(self.primary, self.timeout)
             if sock is not None:
                 return sock
             code = process.poll()

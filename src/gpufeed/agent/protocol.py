@@ -16,6 +16,8 @@ from typing import Any
 
 import xxhash
 
+from gpufeed import errors
+
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 64 << 20
 
@@ -56,3 +58,11 @@ async def read_message(reader: asyncio.StreamReader) -> dict[str, Any] | None:
         return json.loads(await reader.readexactly(length))
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
+
+
+def error_from(failure: dict[str, Any]) -> errors.GpufeedError:
+    """Rebuild the typed error an agent reported, so callers can catch ObjectChanged etc."""
+    cls = getattr(errors, failure.get("error", ""), None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.GpufeedError)):
+        cls = errors.SourceError
+    return cls(failure.get("message", "agent error"))

@@ -19,6 +19,8 @@ import logging
 import os
 import shutil
 import signal
+import socket
+import struct
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from gpufeed import errors
 from gpufeed.agent import protocol
 from gpufeed.cache import blockfile
 from gpufeed.cache.eviction import S3Fifo
-from gpufeed.cache.layout import block_path, object_id
+from gpufeed.cache.layout import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, block_length, block_path, object_id
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError
 from gpufeed.sources import Source, open_source
@@ -43,6 +45,8 @@ HIGH_WATERMARK = 0.95
 LOW_WATERMARK = 0.85
 FULL_BACKOFF_S = 5.0
 FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+MAX_BLOCKS_PER_REQUEST = 65536
+_PEER = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,10 @@ class AgentLocked(Exception):
 
 
 def acquire_lock(primary: Path) -> int:
-    primary.mkdir(parents=True, exist_ok=True)
-    fd = os.open(primary / "agent.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    """The agent's lifetime lock on the primary dir; the kernel drops it when the process dies.
+    A new cache dir is private to its user (0700): blocks hold whatever the sources hold."""
+    primary.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(primary / "agent.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -108,11 +114,13 @@ class Agent:
                 self.sizes[name] = size
 
     def limit(self) -> int:
-        """The quota, bounded by what the filesystem can hold while keeping free_ratio free."""
-        st = os.statvfs(self.config.primary)
-        free = st.f_bavail * st.f_frsize
-        reserve = self.config.free_ratio * st.f_blocks * st.f_frsize
-        return max(0, min(self.config.cache_size, int(self.policy.bytes + free - reserve)))
+        """The quota, bounded by what the cache filesystems can hold while keeping free_ratio
+        of each free."""
+        room = 0.0
+        for device in {os.stat(d).st_dev: d for d in self.config.dirs}.values():
+            st = os.statvfs(device)
+            room += st.f_bavail * st.f_frsize - self.config.free_ratio * st.f_blocks * st.f_frsize
+        return max(0, min(self.config.cache_size, int(self.policy.bytes + room)))
 
     def _evict_to(self, goal: int) -> int:
         freed = 0
@@ -143,20 +151,19 @@ class Agent:
         source itself. A call that joins another's fetch fetched nothing."""
         oid = obj["oid"]
         name = f"{oid}-{index}"
-        if index < 0 or index * obj["block_size"] >= obj["size"]:
-            raise errors.InvalidArgument(f"block {index} is outside {obj['key']} ({obj['size']} bytes)")
         path = block_path(self.config.dirs, oid, index)
         if repair and name not in self.inflight:
             path.unlink(missing_ok=True)
-            self.policy.remove(name)
-            self.sizes.pop(name, None)
+            self._forget(name)
             self.stats["repairs"] += 1
         elif name in self.policy:
-            return "ok", 0
+            if path.exists():
+                return "ok", 0
+            self._forget(name)  # deleted behind our back: fetch it again
         pending = self.inflight.get(name)
         if pending is not None:
             return await asyncio.shield(pending), 0
-        length = min(obj["block_size"], obj["size"] - index * obj["block_size"])
+        length = block_length(obj["size"], obj["block_size"], index)
         if time.monotonic() < self.full_until or length > self.limit():
             self.stats["uncached"] += 1
             return "uncached", 0
@@ -173,6 +180,10 @@ class Agent:
         finally:
             del self.inflight[name]
 
+    def _forget(self, name: str) -> None:
+        self.policy.remove(name)
+        self.sizes.pop(name, None)
+
     async def _fetch_and_publish(self, source: Source, obj: dict[str, Any], index: int, name: str, path: Path) -> str:
         block_size, size = obj["block_size"], obj["size"]
         start, end = index * block_size, min(size, (index + 1) * block_size)
@@ -182,18 +193,20 @@ class Agent:
             data = await source.get_range_async(obj["key"], start, end, expect)
         self.stats["misses"] += 1
         self.stats["bytes_fetched"] += len(data)
+        if len(data) != end - start:  # the object shrank or grew: never publish a short block
+            raise errors.ObjectChanged(f"{obj['key']}: the source returned {len(data)} bytes for [{start}, {end})")
         for attempt in range(2):
             try:
                 written = await asyncio.to_thread(blockfile.publish, path, data)
                 break
             except OSError as exc:
-                if exc.errno not in FULL_ERRNOS:
-                    raise
-                if attempt == 0 and self._evict_to(max(0, self.policy.bytes - 4 * len(data))):
+                full = exc.errno in FULL_ERRNOS
+                if full and attempt == 0 and self._evict_to(max(0, self.policy.bytes - 4 * len(data))):
                     continue
-                self.full_until = time.monotonic() + FULL_BACKOFF_S
+                if full:
+                    self.full_until = time.monotonic() + FULL_BACKOFF_S
                 if not self.warned_full:
-                    log.warning("cache dir %s is full (%s): serving reads uncached", self.config.primary, exc.strerror)
+                    log.warning("cannot write blocks to %s (%s): serving reads uncached", path.parent, exc.strerror or exc)
                     self.warned_full = True
                 self.stats["uncached"] += 1
                 return "uncached"
@@ -206,9 +219,18 @@ class Agent:
         spec = message["source"]
         source = self.source(spec)
         identity = source_identity(spec["url"], spec["options"])
+        requested = 0
         for obj in message["objects"]:  # names are computed here, never taken from a client
+            block_size = obj["block_size"]
+            if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+                raise errors.InvalidArgument(f"block size {block_size} is outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
+            if any(not 0 <= i < -(-obj["size"] // block_size) for i in obj["blocks"]):
+                raise errors.InvalidArgument(f"a block index is outside {obj['key']} ({obj['size']} bytes)")
+            requested += len(obj["blocks"])
             version = version_string(obj["size"], obj["mtime"], obj["etag"])
-            obj["oid"] = object_id(identity, obj["key"], version, obj["block_size"])
+            obj["oid"] = object_id(identity, obj["key"], version, block_size, bool(obj["check"]))
+        if requested > MAX_BLOCKS_PER_REQUEST:
+            raise errors.InvalidArgument(f"{requested} blocks in one request (at most {MAX_BLOCKS_PER_REQUEST})")
         uncached: list[list[int]] = []
         failures: list[dict[str, Any]] = []
         fetched = 0
@@ -219,6 +241,10 @@ class Agent:
                 status, got = await self.block(source, obj, index, index in obj.get("repair", ()))
             except GpufeedError as exc:
                 failures.append({"object": i, "error": type(exc).__name__, "message": str(exc)})
+                return
+            except Exception as exc:  # one block's bug or I/O error fails that read, not its neighbours
+                log.exception("block %d of %s", index, obj["key"])
+                failures.append({"object": i, "error": "SourceError", "message": f"agent: {exc}"})
                 return
             fetched += got
             if status == "uncached":
@@ -264,7 +290,18 @@ class Agent:
             return {"ok": True}
         return {"ok": False, "errors": [{"error": "InvalidArgument", "message": f"unknown agent op {op!r}"}]}
 
+    def _trusted(self, writer: asyncio.StreamWriter) -> bool:
+        """Only this agent's own user (or root) may use it: the socket has no file permissions,
+        and the agent reads stores with its own credentials into a private cache dir."""
+        sock: socket.socket = writer.get_extra_info("socket")
+        _, uid, _ = _PEER.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER.size))
+        return uid in (os.getuid(), 0)
+
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._trusted(writer):
+            log.warning("refused a client of another user")
+            writer.close()
+            return
         self.connections += 1
         try:
             while (message := await protocol.read_message(reader)) is not None:
@@ -314,24 +351,23 @@ class Agent:
             state.unlink(missing_ok=True)
 
 
-def run_agent(config: AgentConfig, settings: Settings) -> int:
-    """Run in the foreground until stopped; returns 0, or 3 when another agent owns the dir."""
+class AgentRunning(GpufeedError):
+    """Another agent already serves the cache dir; exit code 3 tells a racing starter to connect."""
+
+    exit_code = 3
+
+
+def run_agent(config: AgentConfig, settings: Settings) -> None:
+    """Run in the foreground until stopped."""
     try:
         lock = acquire_lock(config.primary)
     except AgentLocked:
-        return 3
+        raise AgentRunning(f"an agent already serves {config.primary} (see 'gpufeed agent status')") from None
+    except OSError as exc:
+        raise GpufeedError(f"cache dir {config.primary}: {exc.strerror or exc}") from exc
     try:
         agent = Agent(config, settings)
         agent.scan()
         asyncio.run(agent.serve())
     finally:
         os.close(lock)
-    return 0
-
-
-def error_from(failure: dict[str, Any]) -> GpufeedError:
-    """Rebuild the typed error an agent reported, so callers can catch ObjectChanged etc."""
-    cls = getattr(errors, failure.get("error", ""), None)
-    if not (isinstance(cls, type) and issubclass(cls, GpufeedError)):
-        cls = errors.SourceError
-    return cls(failure.get("message", "agent error"))

@@ -20,15 +20,23 @@ CHUNK = 256 * 1024
 _HEAD = struct.Struct("<4sIQII")  # magic, header length, data length, chunk size, chunk count
 _SUM = struct.Struct("<Q")
 HEAD_SIZE = _HEAD.size
-DEFAULT_BLOCK_SIZE = 4 * 1024 * 1024
+MIN_BLOCK_SIZE = 4096
+MAX_BLOCK_SIZE = 1 << 30
 
 
 class CorruptBlock(Exception):
     """A block file whose header or checksum does not match; it must be discarded and refetched."""
 
 
-def object_id(source_id: str, key: str, version: str, block_size: int) -> str:
-    return xxhash.xxh3_128_hexdigest(f"{source_id}\0{key}\0{version}\0{block_size}".encode())
+def object_id(source_id: str, key: str, version: str, block_size: int, checked: bool) -> str:
+    """`checked`: whether fetches verify the version at the source. Blocks fetched without the
+    check (immutable mounts) may hold a newer version's bytes, so they get names of their own."""
+    mark = "" if checked else "\0unchecked"
+    return xxhash.xxh3_128_hexdigest(f"{source_id}\0{key}\0{version}\0{block_size}{mark}".encode())
+
+
+def block_length(object_size: int, block_size: int, index: int) -> int:
+    return max(0, min(block_size, object_size - index * block_size))
 
 
 def object_prefix(dirs: tuple[Path, ...], oid: str) -> str:
@@ -95,4 +103,4 @@ class BlockRef:
         return f"{self.prefix}{index}"
 
     def length(self, index: int) -> int:
-        return max(0, min(self.block_size, self.object_size - index * self.block_size))
+        return block_length(self.object_size, self.block_size, index)

@@ -9,11 +9,10 @@ from typing import Optional
 
 import typer
 
-from gpufeed.agent.client import AgentClient, connect, spawn_agent, stop_agent
+from gpufeed.agent.client import AgentClient, connect, stop_agent
 from gpufeed.agent.server import AgentConfig, run_agent
 from gpufeed.cli.console import human_bytes, out
 from gpufeed.config import Settings, parse_size
-from gpufeed.errors import GpufeedError
 
 app = typer.Typer(help="The node agent that owns the cache dir.", invoke_without_command=True)
 
@@ -45,9 +44,7 @@ def agent(
     settings = _settings(cache_dir, cache_size)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
     config = AgentConfig(settings.cache_dirs, settings.cache_size, settings.cache_free_ratio, idle_timeout)
-    code = run_agent(config, settings)
-    if code == 3:
-        raise GpufeedError(f"an agent already serves {settings.cache_dirs[0]} (see 'gpufeed agent status')")
+    run_agent(config, settings)
 
 
 @app.command()
@@ -58,8 +55,9 @@ def start(ctx: typer.Context) -> None:
         sock.close()
         out.print(f"an agent already serves {settings.cache_dirs[0]}", highlight=False)
         return
-    spawn_agent(settings, None)
-    info = AgentClient(settings).hello()
+    agent = AgentClient(settings)
+    agent.start(None).close()
+    info = agent.request({"op": "hello"}, start=False)
     out.print(f"agent {info['pid']} serving {', '.join(info['dirs'])}", highlight=False)
 
 
