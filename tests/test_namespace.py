@@ -183,3 +183,22 @@ def test_lookups_follow_a_refresh_that_dropped_their_generation(namespace: Names
         assert namespace.mounts()[0] == cached, "the table is still cached"
         assert check()
     other.close()
+
+
+def test_refresh_racing_a_remove_does_not_resurrect_the_mount(
+    namespace: Namespace, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mount, _ = namespace.add_mount("/data", f"file://{dataset}")
+    source = namespace.source(mount)
+    other = Namespace(namespace.settings)
+
+    def listing_while_removed():  # the other process unmounts while this one lists
+        other.remove_mount("/data")
+        yield from type(source).list(source)
+
+    monkeypatch.setattr(source, "list", listing_while_removed)
+    with pytest.raises(MountConflict, match="removed or refreshed by another process"):
+        namespace.refresh("/data")
+    assert namespace.mounts(fresh=True) == []
+    assert list(namespace.engine.walk(mount.generation + 1, "")) == [], "the refresh's own generation is dropped"
+    other.close()

@@ -7,10 +7,11 @@ its mount.
 
 from __future__ import annotations
 
+import math
 import posixpath
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpufeed.config import Settings, parse_size, parse_verify
 from gpufeed.errors import (
@@ -165,15 +166,18 @@ class Namespace:
             raise InvalidArgument("cannot mount at /: choose a path such as /data")
         if immutable and max_age is not None:
             raise InvalidArgument("--immutable and --max-age exclude each other")
-        if max_age is not None and max_age < 0:
-            raise InvalidArgument(f"--max-age {max_age}: must be >= 0 seconds")
+        if max_age is not None and not (math.isfinite(max_age) and max_age >= 0):
+            raise InvalidArgument(f"--max-age {max_age}: must be a number of seconds >= 0")
         for other in self.mounts(fresh=True):
             if path == other.path or path.startswith(other.path + "/") or other.path.startswith(path + "/"):
                 raise MountConflict(f"cannot mount {url} at {path}: it overlaps the mount {other.path} ({other.url})")
         mount = Mount(path, url, dict(options or {}), immutable=immutable, max_age=max_age)
         CachePolicy.of(mount, self.settings)
+        source = open_source(url, source_options(mount), self.settings)
+        cache_options = {k: v for k, v in mount.options.items() if k in CACHE_OPTIONS}
+        mount = replace(mount, options={**source.options, **cache_options})
         self._forget_mounts()
-        return write_manifest(self.engine, mount, self.source(mount), create=True)
+        return write_manifest(self.engine, mount, source, create=True)
 
     def refresh(self, path: str) -> tuple[Mount, ManifestStats]:
         mount = self.mount(path)

@@ -113,3 +113,17 @@ def test_debug_shows_the_traceback() -> None:
 @pytest.mark.parametrize("args", [["--help"], ["mount", "--help"], ["ls", "--help"]])
 def test_help(args: list[str]) -> None:
     assert "Usage" in ok(*args)
+
+
+def test_secrets_never_reach_the_screen() -> None:
+    shown = fails(1, "mount", "ls", env={"GPUFEED_META": f"redis://user:s3cretpw@127.0.0.1:{free_port()}/0"})
+    assert "s3cretpw" not in shown and "redis://127.0.0.1:" in shown
+    from gpufeed.cli.mount import _secret
+
+    assert all(_secret(k) for k in ("account_key", "sas_key", "secret_access_key", "token", "password"))
+    assert not any(_secret(k) for k in ("endpoint", "region", "anonymous", "list", "block_size"))
+
+
+def test_bad_numbers_are_refused(dataset: Path) -> None:
+    assert "--max-age nan" in fails(2, "mount", "add", "/d", f"file://{dataset}", "--max-age", "nan")
+    assert "cache dir /proc" in fails(1, "agent", "--cache-dir", "/proc/gpufeed-test-no-such-dir")

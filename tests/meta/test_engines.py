@@ -25,15 +25,20 @@ def write(ns: Namespace, *keys: str, size: int = 10) -> int:
 def test_mount_records_round_trip(namespace: Namespace) -> None:
     engine = namespace.engine
     mount = Mount("/data", "s3://b/p", {"endpoint": "http://x"}, max_age=30.0, generation=7, listed_at=1.5)
-    engine.commit_mount(mount, create=True)
+    engine.commit_mount(mount, previous=None)
     assert engine.mounts() == [mount]
     with pytest.raises(MountConflict, match="/data is already mounted"):
-        engine.commit_mount(mount, create=True)
+        engine.commit_mount(mount, previous=None)
     newer = Mount("/data", "s3://b/p", generation=8)
-    engine.commit_mount(newer, create=False)
+    engine.commit_mount(newer, previous=7)
     assert engine.mounts() == [newer]
+    with pytest.raises(MountConflict, match="refreshed by another process"):
+        engine.commit_mount(Mount("/data", "s3://b/p", generation=9), previous=7)
     engine.delete_mount("/data")
     assert engine.mounts() == []
+    with pytest.raises(MountConflict, match="removed"):
+        engine.commit_mount(Mount("/data", "s3://b/p", generation=10), previous=8)
+    assert engine.mounts() == [], "a refresh never brings a removed mount back"
 
 
 def test_generations_are_unique_and_increasing(namespace: Namespace) -> None:

@@ -125,7 +125,6 @@ def test_s3_credentials_from_a_profile(bucket: Bucket, tmp_path: Path, monkeypat
         ("file://relative/dir", {}, "absolute path"),
         ("file:///tmp", {"endpoint": "x"}, "unknown option"),
         ("http://host/x", {"region": "x"}, "http sources take: list"),
-        ("http://host/x", {"list": "/does/not/exist"}, "listing file /does/not/exist does not exist"),
         ("http:///x", {}, "missing host"),
     ],
 )
@@ -185,3 +184,34 @@ def test_http_listing_file_with_and_without_sizes(nginx: HttpServer, tmp_path: P
 def test_http_missing_site_is_not_found(nginx: HttpServer) -> None:
     with pytest.raises(PathNotFound, match="HTTP 404"):
         Namespace().add_mount("/web", f"{nginx.url}/no-such-site")
+
+
+def test_listing_file_is_needed_only_to_list(nginx: HttpServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    site = nginx.root / f"rel-{tmp_path.name}"
+    site.mkdir()
+    (site / "a.bin").write_bytes(b"abc")
+    monkeypatch.chdir(tmp_path)
+    Path("list.txt").write_text("a.bin 3\n")
+    mount, _ = Namespace().add_mount("/web", f"{nginx.url}/{site.name}", {"list": "list.txt"})
+    assert mount.options["list"] == str(tmp_path / "list.txt"), "stored absolute"
+    Path("list.txt").unlink()
+    monkeypatch.chdir("/")
+    import gpufeed
+
+    assert gpufeed.read("/web/a.bin") == b"abc"
+    with pytest.raises(InvalidArgument, match="listing file .*list.txt: No such file"):
+        Namespace().refresh("/web")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 3\n")
+    with pytest.raises(InvalidArgument, match="is not UTF-8 text"):
+        Namespace().add_mount("/web2", f"{nginx.url}/{site.name}", {"list": str(tmp_path / "latin1.txt")})
+
+
+def test_an_endpoint_from_the_environment_is_recorded_in_the_mount(bucket: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket.put("k", b"v")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", bucket.endpoint)
+    mount, _ = Namespace().add_mount("/s3", bucket.url)
+    assert mount.options == {"endpoint": bucket.endpoint}
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    import gpufeed
+
+    assert gpufeed.read("/s3/k") == b"v", "readers and the agent reach the same store"

@@ -367,7 +367,10 @@ def run_agent(config: AgentConfig, settings: Settings) -> None:
         raise GpufeedError(f"cache dir {config.primary}: {exc.strerror or exc}") from exc
     try:
         agent = Agent(config, settings)
-        agent.scan()
+        try:
+            agent.scan()
+        except OSError as exc:
+            raise GpufeedError(f"cache dir {exc.filename or config.primary}: {exc.strerror or exc}") from exc
         asyncio.run(agent.serve())
     finally:
         os.close(lock)

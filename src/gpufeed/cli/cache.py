@@ -8,6 +8,7 @@ from rich.table import Table
 from gpufeed.agent.client import AgentClient
 from gpufeed.cli.console import human_bytes, out
 from gpufeed.client import Client
+from gpufeed.config import Settings
 
 app = typer.Typer(help="Inspect and manage the node cache.", no_args_is_help=True)
 
@@ -38,7 +39,7 @@ def stats() -> None:
 @app.command()
 def clear() -> None:
     """Drop every cached block (sources are untouched)."""
-    reply = AgentClient(Client().settings).request({"op": "clear"})
+    reply = AgentClient(Settings.from_env()).request({"op": "clear"})
     out.print(f"cleared {human_bytes(reply['removed_bytes'])}", highlight=False)
 
 

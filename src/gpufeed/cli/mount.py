@@ -21,6 +21,11 @@ def _summary(stats: ManifestStats) -> str:
     return text
 
 
+def _secret(option: str) -> bool:
+    """Options whose values are credentials (account_key, sas_key, secret_access_key, token…)."""
+    return any(word in option.lower() for word in ("key", "secret", "token", "password", "credential"))
+
+
 @app.command("add")
 def add(
     nspath: str = typer.Argument(..., help="Namespace path to mount at, e.g. /data."),
@@ -48,7 +53,7 @@ def ls() -> None:
     table = Table("path", "source", "policy", "options", "listed", box=None)
     for m in mounts:
         policy = "immutable" if m.immutable else (f"max-age {m.max_age:g}s" if m.max_age is not None else "strict")
-        options = " ".join(f"{k}={v}" for k, v in sorted(m.options.items())) or "-"
+        options = " ".join(f"{k}={'***' if _secret(k) else v}" for k, v in sorted(m.options.items())) or "-"
         table.add_row(m.path, m.url, policy, options, when(m.listed_at))
     out.print(table)
 

@@ -69,8 +69,10 @@ class MetaEngine(Protocol):
 
     def mounts(self) -> list[Mount]: ...
 
-    def commit_mount(self, mount: Mount, *, create: bool) -> None:
-        """Insert (create=True, refused with MountConflict if the path exists) or replace."""
+    def commit_mount(self, mount: Mount, *, previous: int | None) -> None:
+        """Insert the mount (previous=None; MountConflict if the path exists) or switch it to a
+        new generation only while it still has generation `previous` (MountConflict if another
+        process removed or refreshed it meanwhile): a refresh never resurrects a removed mount."""
         ...
 
     def delete_mount(self, path: str) -> None: ...

@@ -89,7 +89,7 @@ def write_manifest(engine: MetaEngine, mount: Mount, source: Source, *, create: 
         else:
             count_changes(engine.walk(mount.generation, ""), engine.walk(generation, ""), stats)
         listed = replace(mount, generation=generation, listed_at=time.time())
-        engine.commit_mount(listed, create=create)
+        engine.commit_mount(listed, previous=None if create else mount.generation)
     except BaseException:
         engine.drop_generation(generation)
         raise

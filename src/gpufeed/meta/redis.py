@@ -22,6 +22,15 @@ from gpufeed.meta.base import Entry, Mount, engine_errors
 
 PIPELINE_CHUNK = 500
 
+_SWITCH_GENERATION = """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if current and cjson.decode(current).generation == tonumber(ARGV[2]) then
+    redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+    return 1
+end
+return 0
+"""
+
 
 def _encode(entry: Entry) -> str:
     if entry.is_dir:
@@ -41,7 +50,11 @@ class RedisEngine:
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         self.prefix = parse_qs(parts.query).get("prefix", ["gf"])[0]
-        self.url = urlunsplit(parts._replace(query=""))
+        self._connect_url = urlunsplit(parts._replace(query=""))
+        shown = parts.hostname or ""
+        if parts.port:
+            shown += f":{parts.port}"
+        self.url = urlunsplit(parts._replace(netloc=shown, query=""))  # what messages show: no password
         self._pid = -1
         self._client: redis.Redis | None = None
         self._check()
@@ -50,7 +63,7 @@ class RedisEngine:
     def _r(self) -> redis.Redis:
         if self._pid != os.getpid() or self._client is None:
             self._client = redis.Redis.from_url(
-                self.url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30
+                self._connect_url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30
             )
             self._pid = os.getpid()
         return self._client
@@ -71,13 +84,14 @@ class RedisEngine:
         records = self._r.hgetall(f"{self.prefix}:mounts")
         return [Mount.from_json(records[path]) for path in sorted(records)]
 
-    def commit_mount(self, mount: Mount, *, create: bool) -> None:
+    def commit_mount(self, mount: Mount, *, previous: int | None) -> None:
         key = f"{self.prefix}:mounts"
-        if create:
+        if previous is None:
             if not self._r.hsetnx(key, mount.path, mount.to_json()):
                 raise MountConflict(f"{mount.path} is already mounted")
-        else:
-            self._r.hset(key, mount.path, mount.to_json())
+            return
+        if not self._r.eval(_SWITCH_GENERATION, 1, key, mount.path, previous, mount.to_json()):
+            raise MountConflict(f"{mount.path} was removed or refreshed by another process meanwhile")
 
     def delete_mount(self, path: str) -> None:
         self._r.hdel(f"{self.prefix}:mounts", path)

@@ -73,12 +73,19 @@ class SqliteEngine:
     def mounts(self) -> list[Mount]:
         return [Mount.from_json(r[0]) for r in self._db.execute("SELECT record FROM mounts ORDER BY path")]
 
-    def commit_mount(self, mount: Mount, *, create: bool) -> None:
-        verb = "INSERT" if create else "INSERT OR REPLACE"
-        try:
-            self._db.execute(f"{verb} INTO mounts (path, record) VALUES (?, ?)", (mount.path, mount.to_json()))
-        except sqlite3.IntegrityError:
-            raise MountConflict(f"{mount.path} is already mounted") from None
+    def commit_mount(self, mount: Mount, *, previous: int | None) -> None:
+        if previous is None:
+            try:
+                self._db.execute("INSERT INTO mounts (path, record) VALUES (?, ?)", (mount.path, mount.to_json()))
+            except sqlite3.IntegrityError:
+                raise MountConflict(f"{mount.path} is already mounted") from None
+            return
+        cursor = self._db.execute(
+            "UPDATE mounts SET record = ? WHERE path = ? AND json_extract(record, '$.generation') = ?",
+            (mount.to_json(), mount.path, previous),
+        )
+        if cursor.rowcount != 1:
+            raise MountConflict(f"{mount.path} was removed or refreshed by another process meanwhile")
 
     def delete_mount(self, path: str) -> None:
         self._db.execute("DELETE FROM mounts WHERE path = ?", (path,))

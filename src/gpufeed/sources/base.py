@@ -38,6 +38,11 @@ class Source(Protocol):
     url: str
     """Canonical URL of the root; with the endpoint it identifies the source (cache keys)."""
 
+    options: dict[str, str]
+    """Options that rebuild this source in any process: what the environment supplied when it
+    was built (an endpoint, a profile) is written out, and paths are absolute, so the agent and
+    every client reach the same store."""
+
     def list(self) -> Iterator[list[ObjectInfo]]:
         """Every object under the root, in batches, streamed so memory stays bounded."""
         ...

@@ -31,7 +31,7 @@ INDEX_CONCURRENCY = 16
 
 class HttpSource(ObstoreSource):
     def __init__(self, url: str, store: Any, settings: Settings, listing_file: Path | None) -> None:
-        super().__init__(url, store)
+        super().__init__(url, store, options={"list": str(listing_file)} if listing_file else {})
         self.settings = settings
         self.listing_file = listing_file
 
@@ -42,9 +42,14 @@ class HttpSource(ObstoreSource):
             yield from self._crawl_index()
 
     def _list_file(self, path: Path) -> Iterator[list[ObjectInfo]]:
+        """Only listing needs the file: reads work after it is gone."""
         batch: list[tuple[str, int | None]] = []
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
+        try:
+            lines = path.open(encoding="utf-8")
+        except OSError as exc:
+            raise InvalidArgument(f"{self.url}: listing file {path}: {exc.strerror}") from exc
+        with lines:
+            for number, line in enumerate(_decoded(lines, path), 1):
                 fields = line.split()
                 if not fields or fields[0].startswith("#"):
                     continue
@@ -127,14 +132,19 @@ class HttpSource(ObstoreSource):
         return page
 
 
+def _decoded(lines: Iterator[str], path: Path) -> Iterator[str]:
+    try:
+        yield from lines
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"listing file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def http_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> HttpSource:
     config = dict(options)
     listing = config.pop("list", None)
     if config:
         raise InvalidArgument(f"{url}: unknown option(s) {', '.join(sorted(config))} (http sources take: list)")
-    listing_file = Path(listing).expanduser().resolve() if listing else None
-    if listing_file is not None and not listing_file.is_file():
-        raise InvalidArgument(f"{url}: listing file {listing} does not exist")
+    listing_file = Path(listing).expanduser().absolute() if listing else None
     if not parts.netloc:
         raise InvalidArgument(f"{url}: missing host")
     root = url.rstrip("/")

@@ -56,10 +56,11 @@ def _is_connection_failure(message: str) -> bool:
 class ObstoreSource:
     """A `Source` backed by an obstore store rooted at `url`."""
 
-    def __init__(self, url: str, store: Any, endpoint: str | None = None) -> None:
+    def __init__(self, url: str, store: Any, endpoint: str | None = None, options: dict[str, str] | None = None) -> None:
         self.url = url.rstrip("/")
         self.store = store
         self.endpoint = endpoint
+        self.options = dict(options or {})
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.where()})"

@@ -48,14 +48,16 @@ def _no_options(url: str, options: dict[str, str]) -> None:
         raise InvalidArgument(f"{url}: unknown option(s) {', '.join(sorted(options))} for this source kind")
 
 
-def _construct(display_url: str, shown_endpoint: str | None, factory: Any, **kwargs: Any) -> ObstoreSource:
+def _construct(
+    display_url: str, shown_endpoint: str | None, canonical: dict[str, str], factory: Any, **kwargs: Any
+) -> ObstoreSource:
     display_url = display_url.rstrip("/")
     try:
         store = factory(**kwargs)
     except (obx.UnknownConfigurationKeyError, obx.GenericError, ValueError, TypeError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InvalidArgument(f"{display_url}: invalid store configuration ({message})") from exc
-    return ObstoreSource(display_url, store, shown_endpoint)
+    return ObstoreSource(display_url, store, shown_endpoint, canonical)
 
 
 def local_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
@@ -67,7 +69,7 @@ def local_source(url: str, parts: SplitResult, options: dict[str, str], settings
         raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
     if not root.is_dir():
         raise PathNotFound(f"{url}: no such directory")
-    return _construct(f"file://{root}", None, LocalStore, prefix=root)
+    return _construct(f"file://{root}", None, {}, LocalStore, prefix=root)
 
 
 def s3_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
@@ -86,9 +88,12 @@ def s3_source(url: str, parts: SplitResult, options: dict[str, str], settings: S
     )
     if profile and not kwargs.get("skip_signature"):
         kwargs["credential_provider"] = _profile_credentials(url, profile)
+    canonical = dict(options)
+    canonical.update({k: v for k, v in (("endpoint", endpoint), ("profile", profile)) if v})
     return _construct(
         f"s3://{bucket}/{prefix or ''}",
         endpoint,
+        canonical,
         S3Store,
         config=config or None,
         client_options=client_options(settings, endpoint),
@@ -121,6 +126,7 @@ def gcs_source(url: str, parts: SplitResult, options: dict[str, str], settings: 
     return _construct(
         f"gs://{bucket}/{prefix or ''}",
         endpoint,
+        dict(options),
         GCSStore,
         config=config or None,
         client_options=client_options(settings, endpoint),
@@ -140,6 +146,7 @@ def azure_source(url: str, parts: SplitResult, options: dict[str, str], settings
     return _construct(
         f"az://{container}/{prefix or ''}",
         endpoint,
+        dict(options),
         AzureStore,
         container_name=container,
         prefix=prefix,
