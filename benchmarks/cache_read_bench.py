@@ -15,18 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import fsspec
 
 import gpufeed
-from gpufeed.agent.client import stop_agent
 from gpufeed.namespace import Namespace
+
+from common import scratch_home
 
 
 def rate(label: str, reads: int, fn: Callable[[int], int], rounds: int = 3) -> float:
@@ -49,9 +47,7 @@ def main() -> None:
     parser.add_argument("--reads", type=int, default=20_000)
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="gpufeed-cache-bench-"))
-    os.environ["GPUFEED_HOME"] = str(work / "home")
-    try:
+    with scratch_home("gpufeed-cache-bench-") as work:
         source = work / "source"
         source.mkdir()
         payload = os.urandom(args.size + 4096)
@@ -109,9 +105,6 @@ def main() -> None:
             f"gpufeed (handles) / simplecache:: = {handle_rate / simple_rate:.1f}x  (floor 3x)\n"
             f"gpufeed.read(path) / simplecache:: = {path_rate / simple_rate:.1f}x\n"
         )
-    finally:
-        stop_agent(gpufeed.client().settings)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,15 @@ import hashlib
 import multiprocessing
 import os
 import re
-import shutil
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import gpufeed
-from gpufeed.agent.client import stop_agent
 from gpufeed.bench.server import serving
 from gpufeed.namespace import Namespace
+
+from common import scratch_home
 
 
 def reader(paths: list[str], threads: int, offset: int, results: multiprocessing.Queue) -> None:
@@ -53,9 +51,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="gpufeed-single-flight-"))
-    os.environ["GPUFEED_HOME"] = str(work / "home")
-    try:
+    with scratch_home("gpufeed-single-flight-") as work:
         store = work / "store" / "objects"
         store.mkdir(parents=True)
         expected = {}
@@ -89,9 +85,6 @@ def main() -> None:
             f"GETs at the store: {gets:,} (one per object: {args.objects:,}; without single flight up to {readers * args.objects:,})\n"
             f"GETs per object: {gets / args.objects:.3f}\n"
         )
-    finally:
-        stop_agent(gpufeed.client().settings)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

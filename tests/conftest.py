@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,27 +15,9 @@ from pathlib import Path
 import pytest
 
 from gpufeed.agent.client import stop_agent
+from gpufeed.bench.children import free_port, helper
 from gpufeed.config import Settings
 from gpufeed.namespace import Namespace
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, process: subprocess.Popen, name: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {process.returncode} before listening on {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{name} did not listen on port {port} within {timeout}s")
 
 
 def need_binary(name: str) -> str:
@@ -55,21 +34,6 @@ def server_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("servers")
 
 
-def _start(argv: list[str], port: int, name: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    process = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-    wait_for_port(port, process, name)
-    return process
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 AWS_TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -84,27 +48,19 @@ def moto_endpoint(server_dir: Path) -> Iterator[str]:
     os.environ.update(AWS_TEST_ENV)
     os.environ.pop("AWS_PROFILE", None)
     port = free_port()
-    process = _start(
-        [need_binary("moto_server"), "-H", "127.0.0.1", "-p", str(port)], port, "moto_server", server_dir / "moto.log"
-    )
-    yield f"http://127.0.0.1:{port}"
-    _stop(process)
+    argv = [need_binary("moto_server"), "-H", "127.0.0.1", "-p", str(port)]
+    with helper(argv, "moto_server", server_dir / "moto.log", port=port):
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="session")
 def moto_auth_endpoint(server_dir: Path) -> Iterator[str]:
     """A second moto server that checks credentials from the first request (no IAM users exist)."""
     port = free_port()
-    env = {**os.environ, **AWS_TEST_ENV, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}
-    process = _start(
-        [need_binary("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        port,
-        "moto_server (auth)",
-        server_dir / "moto-auth.log",
-        env,
-    )
-    yield f"http://127.0.0.1:{port}"
-    _stop(process)
+    argv = [need_binary("moto_server"), "-H", "127.0.0.1", "-p", str(port)]
+    env = {**AWS_TEST_ENV, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}
+    with helper(argv, "moto_server (auth)", server_dir / "moto-auth.log", port=port, env=env):
+        yield f"http://127.0.0.1:{port}"
 
 
 @dataclass
@@ -137,14 +93,9 @@ def bucket(moto_endpoint: str) -> Bucket:
 @pytest.fixture(scope="session")
 def redis_url(server_dir: Path) -> Iterator[str]:
     port = free_port()
-    process = _start(
-        [need_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        port,
-        "redis-server",
-        server_dir / "redis.log",
-    )
-    yield f"redis://127.0.0.1:{port}/0"
-    _stop(process)
+    argv = [need_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    with helper(argv, "redis-server", server_dir / "redis.log", port=port):
+        yield f"redis://127.0.0.1:{port}/0"
 
 
 @dataclass

@@ -80,9 +80,11 @@ def _announced_port(process: subprocess.Popen[bytes], name: str, log: Path) -> i
 
 
 @contextmanager
-def helper(argv: list[str], name: str, log: Path, port: int | None = None) -> Iterator[int]:
+def helper(
+    argv: list[str], name: str, log: Path, port: int | None = None, env: dict[str, str] | None = None
+) -> Iterator[int]:
     """Run `argv` until the block ends; yields its port: `port` once something listens there,
-    or, when None, the port the helper announces on stdout."""
+    or, when None, the port the helper announces on stdout. `env` is added to ours."""
     with log.open("ab") as sink:
         process = subprocess.Popen(
             argv,
@@ -91,7 +93,7 @@ def helper(argv: list[str], name: str, log: Path, port: int | None = None) -> It
             stderr=sink,
             start_new_session=True,
             preexec_fn=_die_with_parent,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     try:
         if port is None:
