@@ -27,6 +27,8 @@ from gpufeed.sources import ObjectInfo, Source
 
 log = logging.getLogger("gpufeed")
 
+WARM_BATCH = 1024
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,14 +166,20 @@ class Client:
             position += len(piece)
         return memoryview(out)
 
-    def _fetch(self, handle: ObjectHandle, blocks: list[int], repair: list[int]) -> set[int]:
-        """Ask the agent to publish `blocks`; returns those it could not cache."""
-        info, mount = handle.info, handle.mount
-        assert handle.blocks is not None
-        message = {
-            "op": "fetch",
-            "source": {"url": mount.url, "options": source_options(mount)},
-            "objects": [
+    @staticmethod
+    def _groups(wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> list[dict]:
+        """Agent request groups: per source, the objects and which of their blocks to fetch
+        (and which to repair). Objects keep their order across groups."""
+        groups: dict[tuple[str, str], dict] = {}
+        for handle, blocks, repair in wanted:
+            info, mount = handle.info, handle.mount
+            assert handle.blocks is not None
+            options = source_options(mount)
+            group = groups.setdefault(
+                (mount.url, repr(sorted(options.items()))),
+                {"source": {"url": mount.url, "options": options}, "objects": []},
+            )
+            group["objects"].append(
                 {
                     "key": info.key,
                     "size": info.size,
@@ -182,8 +190,24 @@ class Client:
                     "blocks": blocks,
                     "repair": repair,
                 }
-            ],
-        }
+            )
+        return list(groups.values())
+
+    def prefetch(self, wanted: list[tuple[ObjectHandle, list[int]]], session: str) -> dict:
+        """Ask the agent to fetch these blocks soon, for prefetch `session`; returns at once.
+        Raises AgentUnavailable; see gpufeed.prefetch for the window that calls this."""
+        groups = self._groups([(handle, blocks, []) for handle, blocks in wanted if handle.blocks is not None])
+        return self.agent.request({"op": "prefetch", "session": session, "groups": groups})
+
+    def cancel_prefetch(self, session: str) -> None:
+        try:
+            self.agent.request({"op": "cancel", "session": session}, start=False)
+        except AgentUnavailable:
+            pass  # no agent, nothing queued
+
+    def _fetch(self, handle: ObjectHandle, blocks: list[int], repair: list[int]) -> set[int]:
+        """Ask the agent to publish `blocks`; returns those it could not cache."""
+        message = {"op": "fetch", "groups": self._groups([(handle, blocks, repair)])}
         try:
             reply = self.agent.request(message)
         except AgentUnavailable as exc:
@@ -196,6 +220,18 @@ class Client:
         if uncached:
             self._warn_once("uncached", f"the cache in {self.agent.primary} cannot hold more blocks; reading uncached")
         return uncached
+
+    def warm(self, handle: ObjectHandle) -> int:
+        """Make every block of `handle` present in the node cache without reading it (one
+        agent request per WARM_BATCH missing blocks); returns the bytes that were cached already."""
+        ref = handle.blocks
+        if ref is None:
+            return 0
+        count = -(-handle.size // ref.block_size)
+        missing = [i for i in range(count) if not os.path.exists(ref.path(i))]
+        for first in range(0, len(missing), WARM_BATCH):
+            self._fetch(handle, missing[first : first + WARM_BATCH], [])
+        return handle.size - sum(ref.length(i) for i in missing)
 
     def cached_bytes(self, path: str) -> Iterator[tuple[FileStat, int]]:
         """(file, bytes of it present in the cache) for every file under `path`; reads no data."""

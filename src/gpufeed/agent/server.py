@@ -23,7 +23,7 @@ import socket
 import struct
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,8 @@ from gpufeed.sources.base import ObjectInfo, version_string
 log = logging.getLogger("gpufeed.agent")
 
 FETCH_CONCURRENCY = 64
+PREFETCH_CONCURRENCY = 48
+PIN_FRACTION = 0.5  # prefetch stops while pinned blocks fill this much of the cache
 HIGH_WATERMARK = 0.95
 LOW_WATERMARK = 0.85
 FULL_BACKOFF_S = 5.0
@@ -59,6 +61,16 @@ class AgentConfig:
     @property
     def primary(self) -> Path:
         return self.dirs[0]
+
+
+@dataclass
+class Session:
+    """One prefetching job (a sampler's iteration): its queued fetches and pinned blocks."""
+
+    name: str
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    pinned: set[str] = field(default_factory=set)
+    cancelled: bool = False
 
 
 class AgentLocked(Exception):
@@ -92,8 +104,13 @@ class Agent:
         self.full_until = 0.0
         self.warned_full = False
         self.started = time.time()
+        self.sessions: dict[str, Session] = {}
+        self.pinned: dict[str, str] = {}
+        self.pinned_bytes = 0
+        self.latency_s = 0.02
         self._stop: asyncio.Event | None = None
         self._fetch_slots: asyncio.Semaphore | None = None
+        self._prefetch_slots: asyncio.Semaphore | None = None
 
     # -- state on disk ----------------------------------------------------------------------
 
@@ -124,7 +141,7 @@ class Agent:
 
     def _evict_to(self, goal: int) -> int:
         freed = 0
-        for name in self.policy.victims(goal, frozenset(self.inflight)):
+        for name in self.policy.victims(goal, frozenset(self.inflight).union(self.pinned)):
             oid, _, index = name.rpartition("-")
             block_path(self.config.dirs, oid, int(index)).unlink(missing_ok=True)
             freed += self.sizes.pop(name, 0)
@@ -181,6 +198,7 @@ class Agent:
             del self.inflight[name]
 
     def _forget(self, name: str) -> None:
+        self._unpin(name)
         self.policy.remove(name)
         self.sizes.pop(name, None)
 
@@ -190,7 +208,9 @@ class Agent:
         expect = ObjectInfo(obj["key"], size, obj["mtime"], obj["etag"]) if obj["check"] else None
         assert self._fetch_slots is not None
         async with self._fetch_slots:
+            began = time.monotonic()
             data = await source.get_range_async(obj["key"], start, end, expect)
+            self.latency_s = 0.9 * self.latency_s + 0.1 * (time.monotonic() - began)
         self.stats["misses"] += 1
         self.stats["bytes_fetched"] += len(data)
         if len(data) != end - start:  # the object shrank or grew: never publish a short block
@@ -215,45 +235,103 @@ class Agent:
         self._make_room()
         return "ok"
 
+    def _jobs(self, groups: list[dict[str, Any]]) -> list[tuple[int, Source, dict[str, Any], int]]:
+        """(object number, source, object, block index) for every block a request names, after
+        checking it. Objects are numbered across groups in order; names are computed here,
+        never taken from a client."""
+        jobs: list[tuple[int, Source, dict[str, Any], int]] = []
+        number = 0
+        for group in groups:
+            spec = group["source"]
+            source = self.source(spec)
+            identity = source_identity(spec["url"], spec["options"])
+            for obj in group["objects"]:
+                block_size = obj["block_size"]
+                if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+                    raise errors.InvalidArgument(f"block size {block_size} is outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
+                if any(not 0 <= i < -(-obj["size"] // block_size) for i in obj["blocks"]):
+                    raise errors.InvalidArgument(f"a block index is outside {obj['key']} ({obj['size']} bytes)")
+                version = version_string(obj["size"], obj["mtime"], obj["etag"])
+                obj["oid"] = object_id(identity, obj["key"], version, block_size, bool(obj["check"]))
+                jobs.extend((number, source, obj, index) for index in obj["blocks"])
+                number += 1
+                if len(jobs) > MAX_BLOCKS_PER_REQUEST:
+                    raise errors.InvalidArgument(f"more than {MAX_BLOCKS_PER_REQUEST} blocks in one request")
+        return jobs
+
     async def fetch(self, message: dict[str, Any]) -> dict[str, Any]:
-        spec = message["source"]
-        source = self.source(spec)
-        identity = source_identity(spec["url"], spec["options"])
-        requested = 0
-        for obj in message["objects"]:  # names are computed here, never taken from a client
-            block_size = obj["block_size"]
-            if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
-                raise errors.InvalidArgument(f"block size {block_size} is outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
-            if any(not 0 <= i < -(-obj["size"] // block_size) for i in obj["blocks"]):
-                raise errors.InvalidArgument(f"a block index is outside {obj['key']} ({obj['size']} bytes)")
-            requested += len(obj["blocks"])
-            version = version_string(obj["size"], obj["mtime"], obj["etag"])
-            obj["oid"] = object_id(identity, obj["key"], version, block_size, bool(obj["check"]))
-        if requested > MAX_BLOCKS_PER_REQUEST:
-            raise errors.InvalidArgument(f"{requested} blocks in one request (at most {MAX_BLOCKS_PER_REQUEST})")
+        """Demand reads: reply once every block is published (or known uncached or failed)."""
         uncached: list[list[int]] = []
         failures: list[dict[str, Any]] = []
         fetched = 0
 
-        async def one(i: int, obj: dict[str, Any], index: int) -> None:
+        async def one(number: int, source: Source, obj: dict[str, Any], index: int) -> None:
             nonlocal fetched
             try:
                 status, got = await self.block(source, obj, index, index in obj.get("repair", ()))
             except GpufeedError as exc:
-                failures.append({"object": i, "error": type(exc).__name__, "message": str(exc)})
+                failures.append({"object": number, "error": type(exc).__name__, "message": str(exc)})
                 return
             except Exception as exc:  # one block's bug or I/O error fails that read, not its neighbours
                 log.exception("block %d of %s", index, obj["key"])
-                failures.append({"object": i, "error": "SourceError", "message": f"agent: {exc}"})
+                failures.append({"object": number, "error": "SourceError", "message": f"agent: {exc}"})
                 return
             fetched += got
             if status == "uncached":
-                uncached.append([i, index])
+                uncached.append([number, index])
 
-        await asyncio.gather(
-            *(one(i, obj, index) for i, obj in enumerate(message["objects"]) for index in obj["blocks"])
-        )
+        await asyncio.gather(*(one(*job) for job in self._jobs(message["groups"])))
         return {"ok": not failures, "uncached": uncached, "errors": failures, "fetched": fetched}
+
+    def prefetch(self, message: dict[str, Any], owned: set[str]) -> dict[str, Any]:
+        """Queue blocks a job will read soon and reply at once. Queued blocks are fetched in the
+        order asked, at most PREFETCH_CONCURRENCY at a time so demand reads keep their slots;
+        fetched ones stay pinned (never evicted) until read or until the session ends."""
+        session = self.sessions.get(message["session"])
+        if session is None:
+            session = self.sessions[message["session"]] = Session(message["session"])
+            owned.add(session.name)
+        jobs = self._jobs(message["groups"])
+        for _, source, obj, index in jobs:
+            task = asyncio.create_task(self._prefetch_block(session, source, obj, index))
+            session.tasks.add(task)
+            task.add_done_callback(session.tasks.discard)
+        return {"ok": True, "queued": len(jobs), "latency_s": self.latency_s}
+
+    async def _prefetch_block(self, session: Session, source: Source, obj: dict[str, Any], index: int) -> None:
+        assert self._prefetch_slots is not None
+        async with self._prefetch_slots:
+            if session.cancelled or self.pinned_bytes > PIN_FRACTION * self.limit():
+                return
+            try:
+                status, _ = await self.block(source, obj, index, False)
+            except Exception as exc:  # a hint that failed: the demand read will fetch or report
+                self.stats["prefetch_errors"] += 1
+                log.debug("prefetch of block %d of %s failed: %s", index, obj["key"], exc)
+                return
+            name = f"{obj['oid']}-{index}"
+            if status == "ok" and not session.cancelled and name not in self.pinned:
+                self.pinned[name] = session.name
+                session.pinned.add(name)
+                self.pinned_bytes += self.sizes.get(name, 0)
+                self.stats["prefetched"] += 1
+
+    def _unpin(self, name: str) -> None:
+        owner = self.pinned.pop(name, None)
+        if owner is not None:
+            self.pinned_bytes -= self.sizes.get(name, 0)
+            session = self.sessions.get(owner)
+            if session is not None:
+                session.pinned.discard(name)
+
+    def cancel(self, name: str) -> None:
+        """End a prefetch session: queued blocks are dropped, pinned ones released."""
+        session = self.sessions.pop(name, None)
+        if session is None:
+            return
+        session.cancelled = True
+        for block in list(session.pinned):
+            self._unpin(block)
 
     # -- serving ----------------------------------------------------------------------------
 
@@ -267,16 +345,29 @@ class Agent:
             "blocks": len(self.policy),
             "clients": self.connections,
             "uptime_s": time.time() - self.started,
-            **{k: self.stats[k] for k in ("hits", "misses", "bytes_fetched", "repairs", "evictions", "uncached")},
+            "pinned_bytes": self.pinned_bytes,
+            "latency_ms": self.latency_s * 1000,
+            **{
+                k: self.stats[k]
+                for k in ("hits", "misses", "bytes_fetched", "repairs", "evictions", "uncached", "prefetched", "prefetch_errors")
+            },
         }
 
-    async def dispatch(self, message: dict[str, Any]) -> dict[str, Any]:
+    async def dispatch(self, message: dict[str, Any], owned: set[str]) -> dict[str, Any]:
+        """One request; `owned` collects the prefetch sessions this connection started, which
+        end when it closes."""
         op = message.get("op")
         if op == "fetch":
             return await self.fetch(message)
+        if op == "prefetch":
+            return self.prefetch(message, owned)
+        if op == "cancel":
+            self.cancel(message["session"])
+            return {"ok": True}
         if op == "hits":
             for name in message["blocks"]:
                 self.policy.access(name)
+                self._unpin(name)
             self.stats["hits"] += len(message["blocks"])
             return {"ok": True}
         if op in ("hello", "stats"):
@@ -303,11 +394,12 @@ class Agent:
             writer.close()
             return
         self.connections += 1
+        owned: set[str] = set()
         try:
             while (message := await protocol.read_message(reader)) is not None:
                 self.last_activity = time.monotonic()
                 try:
-                    reply = await self.dispatch(message)
+                    reply = await self.dispatch(message, owned)
                 except Exception as exc:  # one bad request must not take the node's cache down
                     log.exception("request %s failed", message.get("op"))
                     reply = {"ok": False, "errors": [{"error": "SourceError", "message": f"agent: {exc}"}]}
@@ -316,6 +408,8 @@ class Agent:
         except ConnectionError:
             pass
         finally:
+            for session in owned:
+                self.cancel(session)
             self.connections -= 1
             self.last_activity = time.monotonic()
             writer.close()
@@ -331,6 +425,7 @@ class Agent:
     async def serve(self) -> None:
         self._stop = asyncio.Event()
         self._fetch_slots = asyncio.Semaphore(FETCH_CONCURRENCY)
+        self._prefetch_slots = asyncio.Semaphore(PREFETCH_CONCURRENCY)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)

@@ -1,0 +1,146 @@
+"""Sampler-aware prefetch: the job knows the exact order it will read samples in, so the blocks
+of the next window of reads are fetched by the node agent before they are asked for.
+
+    prefetcher = Prefetcher(client)
+    for index in prefetcher.ahead(sampler_indices, lambda i: Read(paths[i], 0, sizes[i])):
+        ...  # by the time `index` is read, its blocks are (usually) on local disk
+
+`ahead` yields the items unchanged and in order. A background thread resolves the upcoming
+reads and sends them to the agent in batches, in order of need; the window is bounded in
+bytes and sized from the measured consume rate times the source latency. Reads already
+consumed are released (their blocks may be evicted again); closing the prefetcher or ending
+the iteration cancels what was not fetched yet. PyTorch datasets, `gpufeed warmup` and
+`gpufeed bench --mode cached` all use this one mechanism.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from gpufeed.client import Client, ObjectHandle
+from gpufeed.errors import GpufeedError
+
+T = TypeVar("T")
+
+MIN_WINDOW_BYTES = 16 << 20
+MAX_WINDOW_BYTES = 512 << 20
+DEFAULT_LATENCY_S = 0.05
+SAFETY = 4.0
+BATCH_BLOCKS = 256
+RECENT_BLOCKS = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """Bytes [start, end) of the file at namespace path `path` (end=None: to the end)."""
+
+    path: str
+    start: int = 0
+    end: int | None = None
+
+
+class Prefetcher:
+    def __init__(self, client: Client, *, min_bytes: int = MIN_WINDOW_BYTES, max_bytes: int = MAX_WINDOW_BYTES) -> None:
+        self.client = client
+        self.min_bytes = min_bytes
+        self.max_bytes = max_bytes
+        self._handles: dict[str, ObjectHandle] = {}
+        self._queue: queue.Queue[list[tuple[ObjectHandle, list[int]]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._session = f"{id(self):x}-{time.monotonic_ns():x}"
+        self.latency_s = DEFAULT_LATENCY_S
+        self.errors = 0
+
+    def window_bytes(self, rate_bytes_s: float) -> int:
+        """How far ahead to fetch: what the job consumes while a fetch is in flight, with room
+        for bursts, within [min_bytes, max_bytes]."""
+        return int(min(self.max_bytes, max(self.min_bytes, SAFETY * rate_bytes_s * self.latency_s)))
+
+    def _handle(self, path: str) -> ObjectHandle:
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = self.client.handle(path)
+        return handle
+
+    def _blocks(self, read: Read) -> tuple[ObjectHandle, list[int], int]:
+        handle = self._handle(read.path)
+        end = handle.size if read.end is None else min(read.end, handle.size)
+        if handle.blocks is None or end <= read.start:
+            return handle, [], 0
+        size = handle.blocks.block_size
+        return handle, list(range(read.start // size, (end - 1) // size + 1)), end - read.start
+
+    def _sender(self) -> None:
+        """Background thread: send each batch of wanted blocks to the agent, in order."""
+        while (batch := self._queue.get()) is not None:
+            try:
+                reply = self.client.prefetch(batch, self._session)
+                self.latency_s = max(0.001, float(reply.get("latency_s", self.latency_s)))
+            except GpufeedError:
+                self.errors += 1  # a prefetch is a hint: the read itself will fetch or fail
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._sender, name="gpufeed-prefetch", daemon=True)
+            self._thread.start()
+
+    def ahead(self, items: Iterable[T], read_of: Callable[[T], Read | None]) -> Iterator[T]:
+        """Yield `items` in order while the blocks of the upcoming window are fetched ahead."""
+        self._start()
+        source = iter(items)
+        window: collections.deque[tuple[T, int]] = collections.deque()
+        window_bytes = 0
+        consumed_bytes = 0
+        started = time.monotonic()
+        exhausted = False
+        sent: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        try:
+            while True:
+                rate = consumed_bytes / max(1e-3, time.monotonic() - started)
+                target = self.window_bytes(rate)
+                batch: list[tuple[ObjectHandle, list[int]]] = []
+                while not exhausted and (window_bytes < target or not window):
+                    try:
+                        item = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    read = read_of(item)
+                    size = 0
+                    if read is not None:
+                        handle, blocks, size = self._blocks(read)
+                        fresh = [b for b in blocks if (handle.blocks.oid, b) not in sent] if handle.blocks else []
+                        if fresh:  # samples sharing a block ask for it once (within recent memory)
+                            for block in fresh:
+                                sent[(handle.blocks.oid, block)] = None
+                            while len(sent) > RECENT_BLOCKS:
+                                sent.popitem(last=False)
+                            batch.append((handle, fresh))
+                    window.append((item, size))
+                    window_bytes += size
+                    if sum(len(b) for _, b in batch) >= BATCH_BLOCKS:
+                        self._queue.put(batch)
+                        batch = []
+                if batch:
+                    self._queue.put(batch)
+                if not window:
+                    return
+                item, size = window.popleft()
+                window_bytes -= size
+                consumed_bytes += size
+                yield item
+        finally:
+            self.client.cancel_prefetch(self._session)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.client.cancel_prefetch(self._session)

@@ -1,0 +1,90 @@
+"""Warmup: load paths into the node cache before a job reads them.
+
+Progress is the cache itself: blocks already cached are skipped, so a warmup that was killed
+resumes where it stopped when run again. A running warmup publishes its progress in the
+primary cache dir (`warmups/PID.json`) for `gpufeed warmup status`; files of dead processes
+are ignored and removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from gpufeed.client import Client
+from gpufeed.namespace import FileStat
+
+STATUS_INTERVAL_S = 0.5
+
+
+@dataclass
+class Progress:
+    paths: list[str]
+    files: int
+    bytes: int
+    done_files: int = 0
+    done_bytes: int = 0
+    skipped_bytes: int = 0
+    pid: int = field(default_factory=os.getpid)
+    started: float = field(default_factory=time.time)
+
+
+def files_under(client: Client, paths: Iterable[str]) -> list[FileStat]:
+    """Every file under `paths`, from the manifest, in the order given."""
+    return [item for path in paths for item in client.walk(path)]
+
+
+def status_dir(client: Client) -> Path:
+    return client.settings.cache_dirs[0] / "warmups"
+
+
+def running(client: Client) -> Iterator[Progress]:
+    """Warmups in progress on this node (their processes are alive)."""
+    directory = status_dir(client)
+    for entry in sorted(directory.glob("*.json")) if directory.is_dir() else ():
+        try:
+            progress = Progress(**json.loads(entry.read_text()))
+            os.kill(progress.pid, 0)
+        except ProcessLookupError:
+            entry.unlink(missing_ok=True)
+            continue
+        except (OSError, ValueError, TypeError):
+            continue
+        yield progress
+
+
+def warm(
+    client: Client, files: list[FileStat], paths: list[str], concurrency: int, report: Callable[[Progress], None]
+) -> Progress:
+    """Fetch every block of `files` through the agent, `concurrency` files at a time."""
+    progress = Progress(paths, len(files), sum(f.size for f in files))
+    status = status_dir(client) / f"{progress.pid}.json"
+    status.parent.mkdir(parents=True, exist_ok=True)
+    lock = threading.Lock()
+    written = 0.0
+
+    def one(item: FileStat) -> None:
+        nonlocal written
+        cached = client.warm(client.handle(item.path))
+        with lock:
+            progress.done_files += 1
+            progress.done_bytes += item.size
+            progress.skipped_bytes += cached
+            report(progress)
+            if time.monotonic() - written > STATUS_INTERVAL_S:
+                status.write_text(json.dumps(asdict(progress)))
+                written = time.monotonic()
+
+    try:
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="gpufeed-warmup") as pool:
+            for _ in pool.map(one, files):
+                pass
+    finally:
+        status.unlink(missing_ok=True)
+    return progress

@@ -1,0 +1,62 @@
+"""`gpufeed warmup`: fills the cache, skips what is cached, resumes after kill -9, shows status."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from gpufeed.bench.shaper import shaping
+from gpufeed.namespace import Namespace
+from tests.cli.test_cli import fails, ok
+from tests.conftest import HttpServer
+
+
+def test_warmup_fills_the_cache_and_skips_what_is_cached(dataset: Path) -> None:
+    ok("mount", "add", "/data", f"file://{dataset}")
+    assert "0.0% cached" in ok("warmup", "--dry-run", "/data")
+    first = ok("warmup", "/data/train", "-p", "4")
+    assert "warmed 6 files" in first and "0 B were cached already" in first
+    assert "6 files, 8.8 KiB; 100.0% cached" in ok("warmup", "--dry-run", "/data/train")
+    again = ok("warmup", "/data/train")
+    assert "fetched 0 B" in again
+    listing = Path(dataset.parent / "paths.txt")
+    listing.write_text("/data/README\n# comment\n/data/empty.bin\n")
+    assert "warmed 2 files" in ok("warmup", "--list", str(listing))
+    assert "no warmup running" in ok("warmup", "status")
+    assert "give one or more namespace paths" in fails(2, "warmup")
+    assert "no such file in mount /data" in fails(1, "warmup", "/data/nope")
+
+
+def test_a_killed_warmup_resumes_where_it_stopped(nginx: HttpServer, tmp_path: Path) -> None:
+    site = nginx.root / f"warm-{tmp_path.name}"
+    site.mkdir()
+    for i in range(150):
+        (site / f"{i:04d}.bin").write_bytes(os.urandom(2000))
+    upstream = urlsplit(nginx.url)
+    with shaping((upstream.hostname, upstream.port), 30, None, tmp_path / "shaper.log") as port:
+        Namespace().add_mount("/slow", f"http://127.0.0.1:{port}/{site.name}")
+
+        def gets() -> int:
+            return len(re.findall(rf'"GET /{site.name}/\d+\.bin ', nginx.access_log.read_text()))
+
+        warmup = subprocess.Popen(
+            [sys.executable, "-m", "gpufeed", "warmup", "/slow", "-p", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 60
+        while gets() < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"pid {warmup.pid}: /slow" in ok("warmup", "status")
+        warmup.send_signal(signal.SIGKILL)
+        warmup.wait()
+        assert 40 <= gets() < 150, "killed part way"
+        resumed = ok("warmup", "/slow")
+        assert "warmed 150 files" in resumed
+        time.sleep(0.3)  # nginx logs a request after answering it
+        assert gets() == 150, "nothing fetched twice"
+        assert "no warmup running" in ok("warmup", "status")

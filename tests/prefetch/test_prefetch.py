@@ -1,0 +1,90 @@
+"""Sampler-aware prefetch through a real agent: ahead of need, bounded, cancelled, pinned."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import gpufeed
+from gpufeed.prefetch import Prefetcher, Read
+from gpufeed.namespace import Namespace
+
+
+def agent_stats() -> dict:
+    return gpufeed.client().agent.request({"op": "stats"})
+
+
+def wait_for(condition, what: str, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = agent_stats()
+        if condition(stats):
+            return stats
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}: {agent_stats()}")
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> list[str]:
+    root = tmp_path / "src"
+    root.mkdir()
+    for i in range(60):
+        (root / f"{i:03d}.bin").write_bytes(os.urandom(1000))
+    Namespace().add_mount("/data", f"file://{root}")
+    return [f"/data/{i:03d}.bin" for i in range(60)]
+
+
+def test_blocks_are_fetched_before_they_are_read(files: list[str]) -> None:
+    client = gpufeed.client()
+    prefetcher = Prefetcher(client)
+    order = list(reversed(files))
+    iterator = prefetcher.ahead(order, Read)
+    first = next(iterator)
+    wait_for(lambda s: s["prefetched"] == 60, "the whole window")
+    got = [first, *iterator]
+    assert got == order, "items come back unchanged and in order"
+    for path in got:
+        client.read(path)
+    assert client.source_bytes == 0, "no read had to fetch: every block was there"
+    assert agent_stats()["misses"] == 60
+    prefetcher.close()
+
+
+def test_the_window_is_bounded_in_bytes(files: list[str]) -> None:
+    prefetcher = Prefetcher(gpufeed.client(), min_bytes=5000, max_bytes=5000)
+    iterator = prefetcher.ahead(files, Read)
+    next(iterator)
+    stats = wait_for(lambda s: s["prefetched"] >= 5, "five files")
+    time.sleep(0.2)  # nothing more may arrive while the consumer stands still
+    assert agent_stats()["prefetched"] <= 6, stats
+    for _ in range(10):
+        next(iterator)
+    wait_for(lambda s: s["prefetched"] >= 15, "the window to slide")
+    prefetcher.close()
+
+
+def test_ending_the_iteration_releases_pins_and_drops_queued_work(files: list[str]) -> None:
+    prefetcher = Prefetcher(gpufeed.client())
+    iterator = prefetcher.ahead(files, Read)
+    next(iterator)
+    wait_for(lambda s: s["pinned_bytes"] > 0, "pinned blocks")
+    iterator.close()
+    wait_for(lambda s: s["pinned_bytes"] == 0, "pins to be released")
+    prefetcher.close()
+
+
+def test_read_blocks_are_unpinned_and_unknown_items_are_passed_through(files: list[str]) -> None:
+    client = gpufeed.client()
+    prefetcher = Prefetcher(client)
+    items = ["not a file", *files[:3]]
+    iterator = prefetcher.ahead(items, lambda item: Read(item) if item.startswith("/") else None)
+    assert next(iterator) == "not a file"
+    wait_for(lambda s: s["prefetched"] == 3, "three files")
+    for path in iterator:
+        client.read(path)
+    client.hits.flush()
+    wait_for(lambda s: s["pinned_bytes"] == 0, "read blocks to be unpinned")
+    prefetcher.close()
