@@ -304,3 +304,18 @@ def test_another_user_cannot_use_the_agent(files: dict[str, bytes], gpufeed_home
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 7, "the agent answered another user"
     assert oct((gpufeed_home / "cache").stat().st_mode & 0o777) == "0o700"
+
+
+def test_threads_racing_to_start_the_agent_spawn_it_once(gpufeed_home: Path) -> None:
+    import threading
+
+    client = AgentClient(Settings.from_env())
+    pids: list[int] = []
+    threads = [threading.Thread(target=lambda: pids.append(client.request({"op": "hello"})["pid"])) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(pids)) == 1 and len(pids) == 16
+    log = (gpufeed_home / "cache" / "agent.log").read_text()
+    assert log.count("serving") == 1 and "already serves" not in log, "one process was started, not sixteen"

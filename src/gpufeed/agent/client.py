@@ -7,12 +7,15 @@ fetches are idempotent, so a `kill -9` costs a retry, not a failed read.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,27 @@ def spawn_agent(settings: Settings, idle_timeout: float | None) -> subprocess.Po
         )
 
 
+@contextmanager
+def _node_start_lock(primary: Path) -> Iterator[None]:
+    """Held while starting the agent for `primary`; waits at most START_TIMEOUT_S for another
+    starter (then goes ahead: the agent's own lock still admits only one)."""
+    primary.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(primary / "start.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
+
+
 def connect(primary: Path, timeout: float | None = None) -> socket.socket | None:
     """A connection to the agent for `primary`, or None when none listens. `timeout` bounds
     each send and receive, so a hung agent cannot hang its readers."""
@@ -84,6 +108,7 @@ class AgentClient:
         self._local = threading.local()
         self._hello: dict[str, Any] | None = None
         self._start_after = 0.0
+        self._start_lock = threading.Lock()
         self.timeout = max(120.0, 2 * settings.request_timeout + settings.retry_timeout)
 
     def _socket(self, start: bool) -> socket.socket:
@@ -109,13 +134,20 @@ class AgentClient:
         sock = connect(self.primary, self.timeout)
         if sock is not None:
             return sock
-        if time.monotonic() < self._start_after:
-            raise AgentUnavailable(f"the agent for {self.primary} failed to start moments ago")
-        try:
-            return self.start(self.settings.agent_idle_timeout)
-        except AgentUnavailable:
-            self._start_after = time.monotonic() + START_BACKOFF_S  # don't spawn one per read
-            raise
+        # One starter per node: threads queue on a lock, processes on an flock; whoever gets
+        # it second finds the agent the first one started. A Python start-up per racing
+        # thread (64 warmup threads, 8 DataLoader workers) would starve a small machine.
+        with self._start_lock, _node_start_lock(self.primary):
+            sock = connect(self.primary, self.timeout)
+            if sock is not None:
+                return sock
+            if time.monotonic() < self._start_after:
+                raise AgentUnavailable(f"the agent for {self.primary} failed to start moments ago")
+            try:
+                return self.start(self.settings.agent_idle_timeout)
+            except AgentUnavailable:
+                self._start_after = time.monotonic() + START_BACKOFF_S  # don't spawn one per read
+                raise
 
     def start(self, idle_timeout: float | None) -> socket.socket:
         """Start an agent and connect to it (or to the one that won a race to start)."""

@@ -15,7 +15,8 @@ import multiprocessing
 import queue
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from itertools import islice
 from dataclasses import dataclass
 from multiprocessing.context import ForkServerContext, SpawnContext
 from types import TracebackType
@@ -95,8 +96,19 @@ def _work(
 
 
 class DataLoader:
-    def __init__(self, spec: ReaderSpec, dataset: Dataset, *, batch: int, workers: int, prefetch: int, seed: int) -> None:
+    def __init__(
+        self,
+        spec: ReaderSpec,
+        dataset: Dataset,
+        *,
+        batch: int,
+        workers: int,
+        prefetch: int,
+        seed: int,
+        ahead: Callable[[np.ndarray], Iterator[object]] | None = None,
+    ) -> None:
         self.spec = spec
+        self.ahead = ahead
         self.dataset = dataset
         self.batch = batch
         self.workers = workers
@@ -149,21 +161,34 @@ class DataLoader:
         self._processes, self._tasks = [], []
 
     def epoch(self, epoch: int) -> Iterator[Batch]:
-        """The epoch's batches in order; `prefetch` x `workers` are requested ahead."""
+        """The epoch's batches in order; `prefetch` x `workers` are requested ahead. With
+        `ahead`, its iterator over the epoch's order advances as batches go to workers."""
         total = self.batches_per_epoch
-        sent = 0
-        while sent < min(total, self.prefetch * self.workers):
-            self._tasks[sent % self.workers].put((epoch, sent))
-            sent += 1
-        ready: dict[int, Batch] = {}
-        for wanted in range(total):
-            while wanted not in ready:
-                got = self._receive()
-                ready[got.index] = got
-            if sent < total:
-                self._tasks[sent % self.workers].put((epoch, sent))
+        watcher = self.ahead(epoch_order(self.seed, epoch, self.dataset.samples)) if self.ahead else None
+
+        def send(index: int) -> None:
+            if watcher is not None:
+                for _ in islice(watcher, self.batch):
+                    pass
+            self._tasks[index % self.workers].put((epoch, index))
+
+        try:
+            sent = 0
+            while sent < min(total, self.prefetch * self.workers):
+                send(sent)
                 sent += 1
-            yield ready.pop(wanted)
+            ready: dict[int, Batch] = {}
+            for wanted in range(total):
+                while wanted not in ready:
+                    got = self._receive()
+                    ready[got.index] = got
+                if sent < total:
+                    send(sent)
+                    sent += 1
+                yield ready.pop(wanted)
+        finally:
+            if watcher is not None:
+                watcher.close()  # type: ignore[attr-defined]
 
     def _receive(self) -> Batch:
         while True:

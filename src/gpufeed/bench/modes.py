@@ -18,11 +18,14 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Protocol
 
+import numpy as np
+
 from gpufeed.agent.client import stop_agent
 from gpufeed.bench.dataset import Dataset
 from gpufeed.client import Client, ObjectHandle
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
+from gpufeed.prefetch import Prefetcher, Read
 
 NO_CACHE = MappingProxyType({"cache": "off"})
 """Mount option of the modes that must read the source itself, never the node cache."""
@@ -49,9 +52,17 @@ class ReaderSpec(Protocol):
 
 @dataclass(frozen=True)
 class Prepared:
+    """`ahead`, when set, is given each epoch's sample order in the loader's process and
+    returns an iterator the loader advances one sample per sample it hands to a worker: a mode
+    that prefetches watches the job's exact order through it."""
+
     reader: ReaderSpec
     setup_s: float = 0.0
     setup_bytes: int = 0
+    ahead: Callable[[np.ndarray], Iterator[object]] | None = None
+    source_bytes: Callable[[], int] | None = None
+    """Where readers alone cannot see every source byte (the agent prefetches on its own),
+    the total so far; epochs then report its growth instead of the readers' sums."""
 
 
 @dataclass(frozen=True)
@@ -193,11 +204,28 @@ def _copy(run: RunContext) -> Iterator[Prepared]:
 
 @contextmanager
 def _cached(run: RunContext) -> Iterator[Prepared]:
-    """Epoch 1 starts cold (the run's home, so its cache, is new); later epochs are warm. The
-    run's private agent is stopped on the way out, before its cache dir is removed."""
+    """Epoch 1 starts cold (the run's home, so its cache, is new) with sampler-aware prefetch:
+    the agent fetches the samples the workers will read next, in the epoch's order; later
+    epochs are warm. The run's private agent is stopped before its cache dir is removed."""
+    client = Client(run.settings)
+    prefetcher = Prefetcher(client)
+    dataset = run.dataset
+
+    def ahead(order: np.ndarray) -> Iterator[object]:
+        files, starts, ends = dataset.ranges(order)
+        paths = dataset.paths
+        return prefetcher.ahead(
+            range(len(order)), lambda k: Read(paths[files[k]], int(starts[k]), int(ends[k]))
+        )
+
     try:
-        yield Prepared(NamespaceReaderSpec(run.settings, run.dataset.paths))
+        def fetched() -> int:
+            return int(client.agent.request({"op": "stats"})["bytes_fetched"])
+
+        yield Prepared(NamespaceReaderSpec(run.settings, dataset.paths), ahead=ahead, source_bytes=fetched)
     finally:
+        prefetcher.close()
+        client.close()
         stop_agent(run.settings)
 
 

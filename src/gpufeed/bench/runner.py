@@ -16,7 +16,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpufeed.bench.dataset import Dataset
@@ -134,11 +134,15 @@ def run_mode(mode: Mode, run: RunContext, config: BenchConfig) -> ModeResult:
             workers=work.workers * work.accelerators,
             prefetch=work.prefetch,
             seed=config.seed,
+            ahead=prepared.ahead,
         )
         epochs = []
         with loader:
             for epoch in range(1, work.epochs + 1):
+                fetched = prepared.source_bytes() if prepared.source_bytes else 0
                 result = train_epoch(mode.name, loader, epoch, work, run.dataset.record_size)
+                if prepared.source_bytes:
+                    result = replace(result, source_bytes=prepared.source_bytes() - fetched)
                 run.progress(
                     f"{mode.name}: epoch {epoch}/{work.epochs}: AU {result.au:.0%}, "
                     f"{result.samples_per_s:,.0f} samples/s, {result.epoch_s:.1f} s"
