@@ -35,6 +35,7 @@ def server_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 AWS_TEST_ENV = {
+    "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9",  # never the cloud's instance-metadata address
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",

@@ -24,6 +24,7 @@ from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing
 from gpufeed.meta import Mount
 from gpufeed.namespace import CachePolicy, FileStat, Namespace, source_identity, source_options
 from gpufeed.sources import ObjectInfo, Source
+from gpufeed.sources.stores import caller_credentials
 
 log = logging.getLogger("gpufeed")
 
@@ -177,7 +178,7 @@ class Client:
             options = source_options(mount)
             group = groups.setdefault(
                 (mount.url, repr(sorted(options.items()))),
-                {"source": {"url": mount.url, "options": options}, "objects": []},
+                {"source": {"url": mount.url, "options": {**options, **caller_credentials(mount.url, options)}}, "objects": []},
             )
             group["objects"].append(
                 {

@@ -21,7 +21,7 @@ from gpufeed.client import Client
 from gpufeed.config import Settings
 from gpufeed.errors import ObjectChanged
 from gpufeed.namespace import Namespace
-from tests.conftest import HttpServer
+from tests.conftest import Bucket, HttpServer
 
 
 def make_files(root: Path, count: int, size: int) -> dict[str, bytes]:
@@ -319,3 +319,15 @@ def test_threads_racing_to_start_the_agent_spawn_it_once(gpufeed_home: Path) -> 
     assert len(set(pids)) == 1 and len(pids) == 16
     log = (gpufeed_home / "cache" / "agent.log").read_text()
     assert log.count("serving") == 1 and "already serves" not in log, "one process was started, not sixteen"
+
+
+def test_the_agent_reads_with_the_callers_credentials(bucket: Bucket, gpufeed_home: Path) -> None:
+    """An agent started without credentials (a service, or started by another shell) still
+    fetches for a reader that has them: the reader sends its own with each request."""
+    bucket.put("k.bin", b"payload")
+    Namespace().add_mount("/s3", bucket.url, {"endpoint": bucket.endpoint})
+    env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    started = subprocess.run([sys.executable, "-m", "gpufeed", "agent", "start"], env=env, capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    assert gpufeed.read("/s3/k.bin") == b"payload"
+    assert stats()["misses"] == 1, "the agent fetched it"

@@ -156,6 +156,7 @@ class Agent:
     # -- fetching ---------------------------------------------------------------------------
 
     def source(self, spec: dict[str, Any]) -> Source:
+        """The store for a request; its options may carry the caller's credentials."""
         key = json.dumps(spec, sort_keys=True)
         source = self.sources.get(key)
         if source is None:

@@ -22,6 +22,24 @@ from gpufeed.sources.base import parse_bool
 from gpufeed.sources.objstore import ObstoreSource
 
 
+_S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "aws_access_key_id",
+    "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
+    "AWS_SESSION_TOKEN": "aws_session_token",
+}
+
+
+def caller_credentials(url: str, options: dict[str, str]) -> dict[str, str]:
+    """The store credentials in this process's environment, as store options. A client sends
+    them with each request to the node agent (same user only), so the agent reads with the
+    reader's identity instead of whatever its own environment held when it started; they are
+    never written to the metadata engine."""
+    if not url.startswith(("s3://", "s3a://")) or parse_bool("anonymous", options.get("anonymous", "false")):
+        return {}
+    found = {key: os.environ[name] for name, key in _S3_CREDENTIALS.items() if os.environ.get(name)}
+    return found if "aws_access_key_id" in found else {}
+
+
 def client_options(settings: Settings, endpoint: str | None = None) -> dict[str, Any]:
     options: dict[str, Any] = {
         "connect_timeout": timedelta(seconds=settings.connect_timeout),
