@@ -34,6 +34,7 @@ DEFAULT_LATENCY_S = 0.05
 SAFETY = 4.0
 BATCH_BLOCKS = 256
 RECENT_BLOCKS = 65536
+RECENT_HANDLES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ class Prefetcher:
         self.client = client
         self.min_bytes = min_bytes
         self.max_bytes = max_bytes
-        self._handles: dict[str, ObjectHandle] = {}
+        self._handles: collections.OrderedDict[str, ObjectHandle] = collections.OrderedDict()
         self._queue: queue.Queue[list[tuple[ObjectHandle, list[int]]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._session = f"{id(self):x}-{time.monotonic_ns():x}"
@@ -63,9 +64,13 @@ class Prefetcher:
         return int(min(self.max_bytes, max(self.min_bytes, SAFETY * rate_bytes_s * self.latency_s)))
 
     def _handle(self, path: str) -> ObjectHandle:
+        """Handles of recent paths only: samples sharing a file reuse one, and a million-file
+        epoch does not keep a million handles."""
         handle = self._handles.get(path)
         if handle is None:
             handle = self._handles[path] = self.client.handle(path)
+            if len(self._handles) > RECENT_HANDLES:
+                self._handles.popitem(last=False)
         return handle
 
     def _blocks(self, read: Read) -> tuple[ObjectHandle, list[int], int]:

@@ -1,0 +1,67 @@
+"""The epoch's sample order and each rank's share of it, as pure functions of their inputs.
+
+A position indexes the epoch's permutation. Rank r of W takes positions start+r, start+r+W,
+start+r+2W, ... so once every rank has consumed k samples, exactly the prefix [0, start+k·W)
+of the permutation is done. That one number, the global position, is the whole resume state,
+and a run with any other world size continues from it without repeating or skipping a sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpufeed.errors import InvalidArgument
+
+
+def epoch_permutation(seed: int, epoch: int, n: int, shuffle: bool = True) -> np.ndarray:
+    """The order in which epoch `epoch` reads samples 0..n-1: the same on every rank, worker and
+    restart, because it depends on nothing else (the bench's `epoch_order` is the same function)."""
+    if seed < 0 or epoch < 0 or n < 0:
+        raise InvalidArgument(f"seed {seed}, epoch {epoch} and size {n} must be >= 0")
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    return np.random.default_rng((seed, epoch)).permutation(n)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Rank `rank` of `world`'s part of an epoch of `n` samples continued from global position
+    `start`. Without `drop_last` every rank reads ceil(rest/world) samples, the last ones padded
+    from the start of the rest, as DistributedSampler does, so ranks step in lockstep; with it the
+    tail that does not fill a round of `world` samples is dropped."""
+
+    n: int
+    start: int
+    rank: int
+    world: int
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise InvalidArgument(f"rank {self.rank} of world size {self.world}: need world size >= 1 and 0 <= rank < world size")
+        if not 0 <= self.start <= self.n:
+            raise InvalidArgument(f"position {self.start} is outside an epoch of {self.n} samples")
+
+    @property
+    def count(self) -> int:
+        """How many samples this rank reads."""
+        rest = self.n - self.start
+        return rest // self.world if self.drop_last else -(-rest // self.world)
+
+    @property
+    def end(self) -> int:
+        """The global position once every rank has read its `count`."""
+        return self.start + self.count * self.world if self.drop_last else self.n
+
+    def positions(self) -> np.ndarray:
+        """The permutation positions this rank reads, in order."""
+        rest = self.n - self.start
+        if rest == 0:
+            return np.empty(0, dtype=np.int64)
+        return self.start + (self.rank + self.world * np.arange(self.count, dtype=np.int64)) % rest
+
+    def position_after(self, consumed: int) -> int:
+        """The global position once every rank has consumed `consumed` of its samples."""
+        return min(self.end, self.start + consumed * self.world)

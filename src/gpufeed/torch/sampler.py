@@ -1,0 +1,143 @@
+"""FeedSampler: the epoch's order, this rank's share of it, prefetch of what comes next, and a
+resume state that counts what the training loop consumed.
+
+The state is (epoch, global position): every sample before the position in the epoch's
+permutation was consumed by some rank, none after it (see `order.py`). A DataLoader pulls
+indices from its sampler well ahead of the training loop (prefetch_factor × workers batches),
+so what the sampler handed out is not what was consumed: the loop side says what it consumed
+through `mark_consumed`, which `FeedLoader` calls for every batch it hands out. State taken
+from any rank stands for all of them, because DDP ranks step in lockstep. A sampler that
+handed out indices but was never told about consumption refuses to give a state rather than
+give a wrong one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from dataclasses import dataclass
+from typing import Any
+
+import torch.utils.data
+
+from gpufeed.errors import InvalidArgument
+from gpufeed.torch.distributed import rank_and_world
+from gpufeed.torch.order import Shard, epoch_permutation
+from gpufeed.torch.prefetching import ProcessPrefetcher
+
+STATE_KEYS = ("epoch", "position", "seed", "shuffle", "size")
+
+
+@dataclass
+class _Run:
+    """One pass over this rank's shard of an epoch."""
+
+    epoch: int
+    shard: Shard
+    consumed: int = 0
+    handed: int = 0
+
+
+def _non_negative_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"{what} {value!r}: expected an integer >= 0")
+    return value
+
+
+class FeedSampler(torch.utils.data.Sampler[int]):
+    """Sample indices for this rank, epoch by epoch: the permutation is a pure function of
+    (seed, epoch, len(dataset)); rank and world size are read when iteration starts. With
+    `prefetch` (needs a dataset with `read_of`, such as FeedDataset), the files of upcoming
+    indices are fetched into the node cache ahead of the reads."""
+
+    def __init__(
+        self, dataset: Sized, shuffle: bool = True, seed: int = 0, drop_last: bool = False, *, prefetch: bool = True
+    ) -> None:
+        if prefetch and not callable(getattr(dataset, "read_of", None)):
+            raise InvalidArgument(
+                f"FeedSampler(prefetch=True) needs a dataset with read_of(i), such as FeedDataset; "
+                f"{type(dataset).__name__} has none: pass prefetch=False"
+            )
+        self.dataset = dataset
+        self.size = len(dataset)
+        self.shuffle = bool(shuffle)
+        self.seed = _non_negative_int(seed, "seed")
+        self.drop_last = bool(drop_last)
+        self.prefetch = prefetch
+        self.epoch = 0
+        self._resume = 0
+        self._run: _Run | None = None
+        self._tracked = False
+        self._prefetcher = ProcessPrefetcher()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next iteration reads. A position loaded for this same epoch is
+        kept; any other epoch starts at its beginning."""
+        epoch = _non_negative_int(epoch, "epoch")
+        if epoch != self.epoch:
+            self.epoch, self._resume = epoch, 0
+
+    def mark_consumed(self, samples: int) -> None:
+        """Tell the sampler the training loop consumed `samples` more of this rank's samples of
+        the current iteration. FeedLoader calls it; call it yourself when you drive the sampler
+        in another way (0 just declares that you will)."""
+        samples = _non_negative_int(samples, "consumed samples")
+        self._tracked = True
+        if self._run is not None:
+            self._run.consumed = min(self._run.shard.count, self._run.consumed + samples)
+
+    @property
+    def position(self) -> int:
+        """The global position in the current epoch's permutation up to which samples were consumed."""
+        run = self._run
+        if run is None or run.epoch != self.epoch:
+            return self._resume
+        if run.handed and not self._tracked:
+            raise InvalidArgument(
+                "FeedSampler cannot tell how far the training loop got: the DataLoader reads indices ahead "
+                "of it; iterate through gpufeed.torch.FeedLoader, or call sampler.mark_consumed(n) per batch"
+            )
+        return run.shard.position_after(run.consumed)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle, "size": self.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where `state` says, with any world size or number of DataLoader workers: the
+        next iteration of the state's epoch starts at its position."""
+        missing = [key for key in STATE_KEYS if key not in state]
+        if missing:
+            raise InvalidArgument(f"FeedSampler state lacks {', '.join(missing)}: not a FeedSampler.state_dict()")
+        for key, mine in (("size", self.size), ("seed", self.seed), ("shuffle", self.shuffle)):
+            if state[key] != mine:
+                raise InvalidArgument(
+                    f"FeedSampler state has {key}={state[key]!r} but this sampler has {key}={mine!r}: "
+                    "resuming would read another order"
+                )
+        epoch = _non_negative_int(state["epoch"], "epoch")
+        position = _non_negative_int(state["position"], "position")
+        if position > self.size:
+            raise InvalidArgument(f"FeedSampler state position {position} is past the epoch's {self.size} samples")
+        self.epoch, self._resume, self._run = epoch, position, None
+
+    def _next_shard(self) -> Shard:
+        rank, world = rank_and_world()
+        return Shard(self.size, self._resume, rank, world, self.drop_last)
+
+    def __len__(self) -> int:
+        run = self._run
+        return run.shard.count if run is not None and run.epoch == self.epoch else self._next_shard().count
+
+    def __iter__(self) -> Iterator[int]:
+        shard = self._next_shard()
+        self._resume = 0
+        run = self._run = _Run(self.epoch, shard)
+        order = epoch_permutation(self.seed, self.epoch, self.size, self.shuffle)
+        return self._hand_out(run, order[shard.positions()].tolist())
+
+    def _hand_out(self, run: _Run, indices: list[int]) -> Iterator[int]:
+        items: Iterator[int] = iter(indices)
+        if self.prefetch:
+            items = self._prefetcher.ahead(items, self.dataset.read_of)  # type: ignore[attr-defined]
+        for index in items:
+            run.handed += 1
+            yield index
