@@ -63,7 +63,7 @@ def encode(data: memoryview | bytes) -> tuple[bytes, memoryview]:
     view = memoryview(data).cast("B")
     n = chunk_count(len(view))
     sums = [xxhash.xxh3_64_intdigest(view[i * CHUNK : (i + 1) * CHUNK]) for i in range(n)]
-    header = _HEAD.pack(MAGIC, _HEAD.size + 8 * n, len(view), CHUNK, n) + struct.pack(f"<{n}Q", *sums)
+    header = _HEAD.pack(MAGIC, header_length(len(view)), len(view), CHUNK, n) + struct.pack(f"<{n}Q", *sums)
     return header, view
 
 
