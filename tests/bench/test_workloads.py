@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpufeed.bench.dataset import epoch_order
+from gpufeed.shuffle import epoch_permutation as epoch_order
 from gpufeed.bench.modes import MODES, parse_modes
 from gpufeed.bench.workloads import WORKLOADS, workload
 from gpufeed.errors import InvalidArgument

@@ -77,9 +77,3 @@ class Dataset:
         starts = records * slot
         ends = np.where(records == spf - 1, sizes, starts + slot)
         return files, starts, ends
-
-
-def epoch_order(seed: int, epoch: int, samples: int) -> np.ndarray:
-    """The shuffled sample order of an epoch: a pure function, so every worker computes the
-    same order and only batch numbers travel between processes."""
-    return np.random.default_rng((seed, epoch)).permutation(samples)

@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from gpufeed.bench.dataset import Dataset, epoch_order
+from gpufeed.bench.dataset import Dataset
 from gpufeed.bench.modes import ReaderSpec
 from gpufeed.errors import GpufeedError
+from gpufeed.shuffle import epoch_permutation
 
 RESULT_POLL = 1.0
 STOP_TIMEOUT = 5.0
@@ -77,7 +78,7 @@ def _work(
         while (task := tasks.get()) is not None:
             epoch, index = task
             if epoch != order_epoch:
-                order_epoch, order = epoch, epoch_order(seed, epoch, dataset.samples)
+                order_epoch, order = epoch, epoch_permutation(seed, epoch, dataset.samples)
             files, starts, ends = dataset.ranges(order[index * batch : (index + 1) * batch])
             latencies = np.empty(len(files))
             source_before = reader.source_bytes
@@ -164,7 +165,7 @@ class DataLoader:
         """The epoch's batches in order; `prefetch` x `workers` are requested ahead. With
         `ahead`, its iterator over the epoch's order advances as batches go to workers."""
         total = self.batches_per_epoch
-        watcher = self.ahead(epoch_order(self.seed, epoch, self.dataset.samples)) if self.ahead else None
+        watcher = self.ahead(epoch_permutation(self.seed, epoch, self.dataset.samples)) if self.ahead else None
 
         def send(index: int) -> None:
             if watcher is not None:

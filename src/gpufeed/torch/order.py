@@ -13,16 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpufeed.errors import InvalidArgument
+from gpufeed.shuffle import epoch_permutation
 
-
-def epoch_permutation(seed: int, epoch: int, n: int, shuffle: bool = True) -> np.ndarray:
-    """The order in which epoch `epoch` reads samples 0..n-1: the same on every rank, worker and
-    restart, because it depends on nothing else (the bench's `epoch_order` is the same function)."""
-    if seed < 0 or epoch < 0 or n < 0:
-        raise InvalidArgument(f"seed {seed}, epoch {epoch} and size {n} must be >= 0")
-    if not shuffle:
-        return np.arange(n, dtype=np.int64)
-    return np.random.default_rng((seed, epoch)).permutation(n)
+__all__ = ["Shard", "epoch_permutation"]
 
 
 @dataclass(frozen=True, slots=True)
