@@ -27,16 +27,19 @@ from gpufeed.namespace import Namespace
 from common import scratch_home
 
 
-def rate(label: str, reads: int, fn: Callable[[int], int], rounds: int = 3) -> float:
-    """Best of `rounds` runs of `reads` reads; returns samples/s."""
-    best = 0.0
+def rates(readers: dict[str, Callable[[int], int]], reads: int, rounds: int = 5) -> dict[str, float]:
+    """Samples/s of each reader, best of `rounds`; the rounds interleave the readers, so a
+    noisy neighbour or a frequency change hits all of them alike."""
+    best = dict.fromkeys(readers, 0.0)
     for _ in range(rounds):
-        started = time.perf_counter()
-        total = 0
-        for i in range(reads):
-            total += fn(i)
-        best = max(best, reads / (time.perf_counter() - started))
-    sys.stdout.write(f"  {label:32} {best:>10,.0f} samples/s\n")
+        for label, fn in readers.items():
+            started = time.perf_counter()
+            total = 0
+            for i in range(reads):
+                total += fn(i)
+            best[label] = max(best[label], reads / (time.perf_counter() - started))
+    for label, value in best.items():
+        sys.stdout.write(f"  {label:32} {value:>10,.0f} samples/s\n")
     return best
 
 
@@ -57,7 +60,8 @@ def main() -> None:
         Namespace().add_mount("/bench", f"file://{source}")
         Namespace().add_mount("/trusting", f"file://{source}", {"verify": "never"})
         client = gpufeed.client()
-        order = [random.Random(0).randrange(args.files) for _ in range(args.reads)]
+        rng = random.Random(0)
+        order = [rng.randrange(args.files) for _ in range(args.reads)]
         paths = [f"/bench/{n}" for n in names]
         handles = [client.handle(p) for p in paths]
         trusting = [client.handle(p.replace("/bench/", "/trusting/")) for p in paths]
@@ -92,11 +96,17 @@ def main() -> None:
                 return len(f.read())
 
         sys.stdout.write(f"warm random reads: {args.reads:,} reads of {args.size:,} B over {args.files:,} files\n")
-        raw_rate = rate("raw os.open+pread+close", args.reads, raw)
-        handle_rate = rate("gpufeed (handles)", args.reads, via_handles)
-        trusting_rate = rate("gpufeed (handles, verify=never)", args.reads, via_trusting)
-        path_rate = rate("gpufeed.read(path)", args.reads, via_path)
-        simple_rate = rate("fsspec simplecache::", args.reads, via_simplecache)
+        measured = rates(
+            {
+                "raw os.open+pread+close": raw,
+                "gpufeed (handles)": via_handles,
+                "gpufeed (handles, verify=never)": via_trusting,
+                "gpufeed.read(path)": via_path,
+                "fsspec simplecache::": via_simplecache,
+            },
+            args.reads,
+        )
+        raw_rate, handle_rate, trusting_rate, path_rate, simple_rate = measured.values()
         client.hits.flush()
         sys.stdout.write(
             f"gpufeed (handles) / raw pread     = {handle_rate / raw_rate:.2f}x  (goal >= 0.8, floor 0.7)\n"

@@ -118,17 +118,16 @@ class Client:
         if end <= start:
             return memoryview(b"")
         size = ref.block_size
-        first, last = start // size, (end - 1) // size
-        if first == last:  # the common case, a hit inside one block: no lists, no dicts
+        first = start // size
+        if (end - 1) // size == first:  # the common case, a hit inside one block: no lists, no dicts
             base = first * size
             try:
                 data = blockfile.read(ref, first, start - base, end - base)
             except (FileNotFoundError, CorruptBlock):
-                pass
-            else:
-                self.hits.record(ref.oid, first)
-                return data
-        return self._read_blocks(handle, ref, start, end, first, last)
+                return self._read_blocks(handle, ref, start, end, first, first)
+            self.hits.record(ref.oid, first)
+            return data
+        return self._read_blocks(handle, ref, start, end, first, (end - 1) // size)
 
     def _read_blocks(self, handle: ObjectHandle, ref: BlockRef, start: int, end: int, first: int, last: int) -> memoryview:
         size = ref.block_size

@@ -180,6 +180,15 @@ class AgentClient:
                 failure = exc
         raise AgentUnavailable(f"agent for {self.primary}: {failure}")
 
+    def notify(self, message: dict[str, Any]) -> None:
+        """Send a message the agent answers with nothing (`noreply`), on this thread's
+        connection; never starts an agent. A hint: the caller does not wait for it to be read."""
+        try:
+            self._socket(False).sendall(protocol.encode({**message, "noreply": True}))
+        except OSError as exc:
+            self._drop()
+            raise AgentUnavailable(f"agent for {self.primary}: {exc}") from exc
+
     @property
     def connected(self) -> bool:
         """Whether this thread holds a live connection (hit reports never start an agent)."""
@@ -209,15 +218,21 @@ class HitReporter:
         pending = self._pending
         pending.append((oid, index))
         if len(pending) >= HIT_REPORT_BATCH or (len(pending) % 32 == 0 and time.monotonic() - self._sent > HIT_REPORT_INTERVAL_S):
-            self.flush()
+            self.flush(wait=False)
 
-    def flush(self) -> None:
+    def flush(self, *, wait: bool = True) -> None:
+        """Report the pending hits. The read path does not wait for the agent to take them
+        (`wait=False`, a one-way message); `wait` makes them count before anything else asks."""
         with self._lock:
             batch, self._pending = self._pending, []
             self._sent = time.monotonic()
         if batch and self.agent.connected:
+            message = {"op": "hits", "blocks": [f"{oid}-{index}" for oid, index in batch]}
             try:
-                self.agent.request({"op": "hits", "blocks": [f"{oid}-{index}" for oid, index in batch]}, start=False)
+                if wait:
+                    self.agent.request(message, start=False)
+                else:
+                    self.agent.notify(message)
             except AgentUnavailable:
                 pass  # only eviction hints are lost
 

@@ -404,8 +404,9 @@ class Agent:
                 except Exception as exc:  # one bad request must not take the node's cache down
                     log.exception("request %s failed", message.get("op"))
                     reply = {"ok": False, "errors": [{"error": "SourceError", "message": f"agent: {exc}"}]}
-                writer.write(protocol.encode(reply))
-                await writer.drain()
+                if not message.get("noreply"):
+                    writer.write(protocol.encode(reply))
+                    await writer.drain()
         except ConnectionError:
             pass
         finally:

@@ -11,7 +11,9 @@ import os
 import uuid
 from pathlib import Path
 
-from gpufeed.cache.layout import CHUNK, HEAD_SIZE, BlockRef, CorruptBlock, encode, verify
+from xxhash import xxh3_64_intdigest
+
+from gpufeed.cache.layout import CHUNK, HEAD_SIZE, SMALL_HEAD, SUM, BlockRef, CorruptBlock, encode, small_header, verify
 
 
 def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
@@ -22,6 +24,20 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
     length = ref.object_size - index * ref.block_size
     if length > ref.block_size:
         length = ref.block_size
+    if length <= CHUNK and ref.verify:  # one chunk (every small object): header and data in one pread
+        fd = os.open(f"{ref.prefix}{index}", os.O_RDONLY)
+        try:
+            raw = os.pread(fd, SMALL_HEAD + length, 0)
+        finally:
+            os.close(fd)
+        view = memoryview(raw)
+        if (
+            len(raw) != SMALL_HEAD + length
+            or raw[:HEAD_SIZE] != small_header(length)
+            or xxh3_64_intdigest(view[SMALL_HEAD:]) != SUM.unpack_from(raw, HEAD_SIZE)[0]
+        ):
+            raise CorruptBlock("header, length or checksum does not match")
+        return view[SMALL_HEAD + start : SMALL_HEAD + end]
     head = HEAD_SIZE + 8 * (-(-length // CHUNK) or 1)
     fd = os.open(f"{ref.prefix}{index}", os.O_RDONLY)
     try:
