@@ -200,8 +200,8 @@ def test_mismatched_state_is_refused(data: FeedDataset[int]) -> None:
 
 
 def test_sampler_prefetches_the_files_it_will_hand_out(data: FeedDataset[int]) -> None:
-    sampler = FeedSampler(data)
-    first = next(iter(sampler))
+    indices = iter(FeedSampler(data))  # held: a dropped iterator ends (cancels) its prefetch
+    first = next(indices)
     total = int(data.sizes.sum())
     deadline = time.monotonic() + 10
     while (cached := sum(size for _, size in gpufeed.client().cached_bytes("/data"))) < total:

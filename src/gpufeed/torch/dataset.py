@@ -14,6 +14,7 @@ import gpufeed
 from gpufeed.prefetch import Read
 from gpufeed.torch.distributed import rank_and_world
 from gpufeed.torch.index import FileIndex, PathTable
+from gpufeed.torch.order import Shard, non_negative_int, shard_order
 from gpufeed.torch.prefetching import ProcessPrefetcher
 
 T = TypeVar("T")
@@ -54,36 +55,68 @@ class FeedDataset(torch.utils.data.Dataset, Generic[T]):
 
 
 class FeedIterableDataset(torch.utils.data.IterableDataset, Generic[T]):
-    """Streams the files in index order. Rank r of W reads files r, r+W, r+2W, ..., split
-    round-robin between its DataLoader workers. Rank and world size are those of the process
-    that starts the iteration: read when it begins, or, in a worker started by spawn or
-    forkserver (where torch.distributed is not initialised), taken along when the DataLoader
-    sends the dataset to its workers. Together the readers read every file once; with
-    `prefetch`, each reader's upcoming files are fetched ahead. `len()` is this rank's share."""
+    """Streams the files, epoch by epoch, in index order or, with `shuffle`, in the order of
+    `epoch_permutation(seed, epoch, n)`, which every rank computes alike. Rank r of W reads
+    positions r, r+W, r+2W, ... of that order, split round-robin between its DataLoader workers.
+    Every rank reads the same number of files, so DDP ranks run the same number of steps and
+    none waits forever in a collective: without `drop_last` the order is padded by wrapping
+    around to its first files, as DistributedSampler does; with it the tail that does not fill
+    a round of W files is dropped. `len()` is this rank's share.
+
+    Rank and world size are those of the process that starts the iteration: read when it
+    begins, or, in a worker started by spawn or forkserver (where torch.distributed is not
+    initialised), taken along when the DataLoader sends the dataset to its workers. With
+    `prefetch`, each reader's upcoming files are fetched ahead."""
 
     def __init__(
-        self, paths_or_dir: str | Sequence[str], transform: Callable[[bytes], T] | None = None, *, prefetch: bool = True
+        self,
+        paths_or_dir: str | Sequence[str],
+        transform: Callable[[bytes], T] | None = None,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        prefetch: bool = True,
     ) -> None:
         self.files: FeedDataset[T] = FeedDataset(paths_or_dir, transform)
+        self.shuffle = bool(shuffle)
+        self.seed = non_negative_int(seed, "seed")
+        self.drop_last = bool(drop_last)
         self.prefetch = prefetch
+        # Shared memory, so persistent DataLoader workers, which keep the copy of the dataset
+        # they were sent at the first epoch, see the epoch set_epoch selects afterwards.
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self._prefetcher = ProcessPrefetcher()
         self._ranks: tuple[int, int] | None = None
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration reads."""
+        return int(self._epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next iteration reads; with `shuffle`, each epoch has its own order."""
+        self._epoch.fill_(non_negative_int(epoch, "epoch"))
+
     def _rank_and_world(self) -> tuple[int, int]:
         return self._ranks or rank_and_world()
+
+    def _shard(self) -> Shard:
+        rank, world = self._rank_and_world()
+        return Shard(len(self.files), 0, rank, world, self.drop_last)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_ranks": self._rank_and_world()}
 
     def __len__(self) -> int:
-        rank, world = self._rank_and_world()
-        return len(range(rank, len(self.files), world))
+        return self._shard().count
 
     def __iter__(self) -> Iterator[bytes | T]:
-        rank, world = self._rank_and_world()
+        shard = self._shard()
         worker = torch.utils.data.get_worker_info()
         worker_id, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        mine: Iterator[int] = iter(range(rank + world * worker_id, len(self.files), world * workers))
+        order = shard_order(self.seed, self.epoch, shard, self.shuffle)
+        mine: Iterator[int] = iter(order[worker_id::workers].tolist())
         if self.prefetch:
             mine = self._prefetcher.ahead(mine, self.files.read_of)
         for i in mine:

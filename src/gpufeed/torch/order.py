@@ -9,13 +9,21 @@ and a run with any other world size continues from it without repeating or skipp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from gpufeed.errors import InvalidArgument
 from gpufeed.shuffle import epoch_permutation
 
-__all__ = ["Shard", "epoch_permutation"]
+__all__ = ["Shard", "epoch_permutation", "non_negative_int", "shard_order"]
+
+
+def non_negative_int(value: Any, what: str) -> int:
+    """Seeds, epochs and positions come from user code and checkpoints: refuse anything else."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"{what} {value!r}: expected an integer >= 0")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +66,9 @@ class Shard:
     def position_after(self, consumed: int) -> int:
         """The global position once every rank has consumed `consumed` of its samples."""
         return min(self.end, self.start + consumed * self.world)
+
+
+def shard_order(seed: int, epoch: int, shard: Shard, shuffle: bool = True) -> np.ndarray:
+    """The sample indices `shard` reads in epoch `epoch`, in order: its positions looked up in
+    the epoch's permutation, which every rank computes alike."""
+    return epoch_permutation(seed, epoch, shard.n, shuffle)[shard.positions()]

@@ -21,7 +21,7 @@ import torch.utils.data
 
 from gpufeed.errors import InvalidArgument
 from gpufeed.torch.distributed import rank_and_world
-from gpufeed.torch.order import Shard, epoch_permutation
+from gpufeed.torch.order import Shard, epoch_permutation, non_negative_int
 from gpufeed.torch.prefetching import ProcessPrefetcher
 
 STATE_KEYS = ("epoch", "position", "seed", "shuffle", "size")
@@ -35,12 +35,6 @@ class _Run:
     shard: Shard
     consumed: int = 0
     handed: int = 0
-
-
-def _non_negative_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgument(f"{what} {value!r}: expected an integer >= 0")
-    return value
 
 
 class FeedSampler(torch.utils.data.Sampler[int]):
@@ -60,7 +54,7 @@ class FeedSampler(torch.utils.data.Sampler[int]):
         self.dataset = dataset
         self.size = len(dataset)
         self.shuffle = bool(shuffle)
-        self.seed = _non_negative_int(seed, "seed")
+        self.seed = non_negative_int(seed, "seed")
         self.drop_last = bool(drop_last)
         self.prefetch = prefetch
         self.epoch = 0
@@ -72,7 +66,7 @@ class FeedSampler(torch.utils.data.Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration reads. A position loaded for this same epoch is
         kept; any other epoch starts at its beginning."""
-        epoch = _non_negative_int(epoch, "epoch")
+        epoch = non_negative_int(epoch, "epoch")
         if epoch != self.epoch:
             self.epoch, self._resume = epoch, 0
 
@@ -80,7 +74,7 @@ class FeedSampler(torch.utils.data.Sampler[int]):
         """Tell the sampler the training loop consumed `samples` more of this rank's samples of
         the current iteration. FeedLoader calls it; call it yourself when you drive the sampler
         in another way (0 just declares that you will)."""
-        samples = _non_negative_int(samples, "consumed samples")
+        samples = non_negative_int(samples, "consumed samples")
         self._tracked = True
         if self._run is not None:
             self._run.consumed = min(self._run.shard.count, self._run.consumed + samples)
@@ -113,8 +107,8 @@ class FeedSampler(torch.utils.data.Sampler[int]):
                     f"FeedSampler state has {key}={state[key]!r} but this sampler has {key}={mine!r}: "
                     "resuming would read another order"
                 )
-        epoch = _non_negative_int(state["epoch"], "epoch")
-        position = _non_negative_int(state["position"], "position")
+        epoch = non_negative_int(state["epoch"], "epoch")
+        position = non_negative_int(state["position"], "position")
         if position > self.size:
             raise InvalidArgument(f"FeedSampler state position {position} is past the epoch's {self.size} samples")
         self.epoch, self._resume, self._run = epoch, position, None
