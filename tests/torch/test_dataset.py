@@ -33,6 +33,13 @@ def test_dataset_over_a_list_of_paths_keeps_their_order(tmp_path: Path) -> None:
     assert data.read_of(1).path == "/data/f00002.bin" and data.read_of(1).end == len(content(2))
 
 
+def test_a_batch_is_read_with_one_call_in_its_order(tmp_path: Path) -> None:
+    data = FeedDataset(mount_files(tmp_path), transform=decode)
+    assert data.__getitems__([5, 0, 5, N - 1]) == [5, 0, 5, N - 1]
+    batches = DataLoader(data, batch_size=4, collate_fn=list)  # PyTorch's fetcher calls __getitems__
+    assert [item for batch in batches for item in batch] == list(range(N))
+
+
 def test_bad_input_is_refused(tmp_path: Path) -> None:
     mount_files(tmp_path)
     (tmp_path / "empty").mkdir()

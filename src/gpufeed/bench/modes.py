@@ -37,8 +37,9 @@ class SampleReader(Protocol):
     source_bytes: int
     """Bytes this reader fetched from the source (not from local disk or a cache)."""
 
-    def read(self, file: int, start: int, end: int) -> int:
-        """Read bytes [start, end) of dataset file `file`; returns the bytes read."""
+    def read_batch(self, reads: list[tuple[int, int, int]]) -> list[int]:
+        """Read bytes [start, end) of dataset file `file` for each (file, start, end) of a
+        batch, as a dataset's `__getitems__` does; returns the bytes read for each."""
         ...
 
     def close(self) -> None: ...
@@ -97,8 +98,8 @@ class NamespaceReaderSpec:
 
 
 class NamespaceReader:
-    """Pins each file's version once per worker (one manifest lookup), then issues one
-    ranged read per sample through `Client.read_range`. Source bytes are the client's own
+    """Pins each file's version once per worker (one manifest lookup), then reads each batch
+    through `Client.read_many`, one ranged read per sample. Source bytes are the client's own
     count: every byte without a cache, only the blocks fetched for it with one."""
 
     def __init__(self, client: Client, paths: tuple[str, ...]) -> None:
@@ -110,11 +111,15 @@ class NamespaceReader:
     def source_bytes(self) -> int:
         return self.client.source_bytes
 
-    def read(self, file: int, start: int, end: int) -> int:
+    def _handle(self, file: int) -> ObjectHandle:
         handle = self.handles.get(file)
         if handle is None:
             handle = self.handles[file] = self.client.handle(self.paths[file])
-        return len(self.client.read_range(handle, start, end))
+        return handle
+
+    def read_batch(self, reads: list[tuple[int, int, int]]) -> list[int]:
+        data = self.client.read_many([(self._handle(file), start, end) for file, start, end in reads])
+        return [len(piece) for piece in data]
 
     def close(self) -> None:
         self.client.close()
@@ -144,7 +149,10 @@ class LocalReader:
         self.buffer = memoryview(bytearray(max_record))
         self.source_bytes = 0
 
-    def read(self, file: int, start: int, end: int) -> int:
+    def read_batch(self, reads: list[tuple[int, int, int]]) -> list[int]:
+        return [self._read(file, start, end) for file, start, end in reads]
+
+    def _read(self, file: int, start: int, end: int) -> int:
         fd = os.open(self.paths[file], os.O_RDONLY)
         try:
             return os.preadv(fd, [self.buffer[: end - start]], start)

@@ -1,0 +1,80 @@
+"""Batch reads (`Client.read_many`): the bytes of every read, split at block bounds; a sparse
+batch reads only what it wants from the source and leaves whole blocks to the agent; a dense
+batch waits for the blocks; errors name the file."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import gpufeed
+from gpufeed.client import SPARSE_FACTOR, Client
+from gpufeed.errors import ObjectMissing
+from gpufeed.namespace import Namespace
+
+BLOCK = 64 * 1024
+BLOCKS = 16
+
+
+def mount_big_file(tmp_path: Path) -> bytes:
+    root = tmp_path / "src"
+    root.mkdir()
+    data = os.urandom(BLOCKS * BLOCK - 123)
+    (root / "big.bin").write_bytes(data)
+    Namespace().add_mount("/m", f"file://{root}", {"block_size": str(BLOCK)})
+    return data
+
+
+def cached(client: Client) -> int:
+    return sum(size for _, size in client.cached_bytes("/m/big.bin"))
+
+
+def test_a_batch_of_mixed_reads_returns_each_reads_bytes(tmp_path: Path) -> None:
+    data = mount_big_file(tmp_path)
+    client = gpufeed.client()
+    handle = client.handle("/m/big.bin")
+    assert bytes(client.read_range(handle, 0, 10)) == data[:10]  # block 0 is now a hit
+    spans = [(5, 20), (BLOCK - 10, BLOCK + 10), (3 * BLOCK, 5 * BLOCK + 7), (len(data) - 5, len(data) + 100), (50, 50)]
+    got = client.read_many([(handle, start, end) for start, end in spans])
+    assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
+
+
+def test_a_sparse_batch_reads_only_its_bytes_and_the_agent_caches_the_blocks(tmp_path: Path) -> None:
+    data = mount_big_file(tmp_path)
+    client = gpufeed.client()
+    handle = client.handle("/m/big.bin")
+    spans = [(i * BLOCK + 100, i * BLOCK + 1100) for i in range(0, BLOCKS - 1, 2)]
+    assert (BLOCKS // 2) * BLOCK >= SPARSE_FACTOR * 1000 * len(spans)
+    got = client.read_many([(handle, start, end) for start, end in spans])
+    assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
+    assert client.source_bytes == 1000 * len(spans)
+    deadline = time.monotonic() + 20
+    while cached(client) < len(spans) * BLOCK:
+        assert time.monotonic() < deadline, f"{cached(client)} bytes cached; the agent did not cache the blocks"
+        time.sleep(0.05)
+    again = client.read_many([(handle, start, end) for start, end in spans])
+    assert [bytes(piece) for piece in again] == [data[start:end] for start, end in spans]
+    assert client.source_bytes == 1000 * len(spans)  # hits: nothing more from the source
+
+
+def test_a_dense_batch_waits_for_the_blocks(tmp_path: Path) -> None:
+    data = mount_big_file(tmp_path)
+    client = gpufeed.client()
+    handle = client.handle("/m/big.bin")
+    spans = [(i * BLOCK, i * BLOCK + BLOCK // 2) for i in range(4)]
+    got = client.read_many([(handle, start, end) for start, end in spans])
+    assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
+    assert client.source_bytes == 4 * BLOCK
+    assert cached(client) == 4 * BLOCK
+
+
+def test_a_sparse_batch_over_a_deleted_object_names_it(tmp_path: Path) -> None:
+    mount_big_file(tmp_path)
+    client = gpufeed.client()
+    handle = client.handle("/m/big.bin")
+    (tmp_path / "src" / "big.bin").unlink()
+    with pytest.raises(ObjectMissing, match="/m/big.bin: deleted at the source"):
+        client.read_many([(handle, i * BLOCK, i * BLOCK + 10) for i in range(4)])
