@@ -78,3 +78,21 @@ def test_a_sparse_batch_over_a_deleted_object_names_it(tmp_path: Path) -> None:
     (tmp_path / "src" / "big.bin").unlink()
     with pytest.raises(ObjectMissing, match="/m/big.bin: deleted at the source"):
         client.read_many([(handle, i * BLOCK, i * BLOCK + 10) for i in range(4)])
+
+
+def test_reads_by_path_remember_the_handle_until_a_refresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = mount_big_file(tmp_path)
+    client = Client()
+    lookups = []
+    open_object = client.namespace.open_object
+    monkeypatch.setattr(client.namespace, "open_object", lambda path: lookups.append(path) or open_object(path))
+    for _ in range(3):
+        assert client.read("/m/big.bin", 10, 100) == data[10:110]
+    assert lookups == ["/m/big.bin"]
+    changed = os.urandom(len(data))
+    (tmp_path / "src" / "big.bin").write_bytes(changed)
+    Namespace().refresh("/m")  # elsewhere: this client learns of it from its mount table (1 s) ...
+    far = 5 * BLOCK
+    assert client.read("/m/big.bin", far, 100) == changed[far : far + 100]  # ... or a failed read
+    assert client.read_files(["/m/big.bin"])[0] == changed
+    assert lookups == ["/m/big.bin"] * 2

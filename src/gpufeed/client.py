@@ -13,8 +13,9 @@ import io
 import logging
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from gpufeed.agent.client import AgentClient, AgentUnavailable, HitReporter
 from gpufeed.agent.protocol import error_from
@@ -28,8 +29,11 @@ from gpufeed.sources import ObjectInfo, Source
 from gpufeed.sources.stores import caller_credentials
 
 log = logging.getLogger("gpufeed")
+T = TypeVar("T")
 
 WARM_BATCH = 1024
+HANDLE_CACHE = 65536
+"""Handles a client remembers (a few hundred bytes each)."""
 SPARSE_FACTOR = 4
 """A batch of reads whose missing blocks hold at least this many times the bytes it wants
 (random samples from big record files: 100 KB from each of 50 different 4 MiB blocks) reads
@@ -66,6 +70,9 @@ class Client:
         weakref.finalize(self, self.hits.flush)
         self._warned: set[str] = set()
         self._session = f"reads-{os.getpid()}-{id(self):x}"
+        self._handles: dict[str, ObjectHandle] = {}
+        self._mounts_seen: list[Mount] | None = None
+        self._generation_of: dict[str, int] = {}
 
     def close(self) -> None:
         self.hits.flush()
@@ -85,6 +92,13 @@ class Client:
             return None
 
     def handle(self, path: str) -> ObjectHandle:
+        """The object at `path`, pinned to the version its mount's manifest lists. Handles are
+        remembered while their mount's generation is current (as the namespace's mount table
+        sees it, so a refresh elsewhere shows within MOUNTS_TTL_S): a read by path then costs
+        no manifest lookup. Mounts with --max-age revalidate on open and are not remembered."""
+        known = self._handles.get(path)
+        if known is not None and self._generations().get(known.mount.path) == known.mount.generation:
+            return known
         where, source, info = self.namespace.open_object(path)
         mount = where.mount
         policy = CachePolicy.of(mount, self.settings)
@@ -92,7 +106,18 @@ class Client:
         if policy.enabled and info.size > 0 and (dirs := self._cache_dirs()) is not None:
             oid = object_id(source_identity(mount.url, mount.options), info.key, info.version, policy.block_size, not mount.immutable)
             blocks = BlockRef.of(dirs, oid, policy.block_size, info.size, policy.verify)
-        return ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, blocks)
+        handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, blocks)
+        if mount.max_age is None and (blocks is not None or not policy.enabled or info.size == 0):
+            if len(self._handles) >= HANDLE_CACHE:
+                del self._handles[next(iter(self._handles))]
+            self._handles[path] = handle
+        return handle
+
+    def _generations(self, *, fresh: bool = False) -> dict[str, int]:
+        mounts = self.namespace.mounts(fresh=fresh)
+        if mounts is not self._mounts_seen:
+            self._mounts_seen, self._generation_of = mounts, {m.path: m.generation for m in mounts}
+        return self._generation_of
 
     def _explain(self, handle: ObjectHandle, exc: Exception) -> Exception:
         """Name the namespace path and the way out in a source error about one object."""
@@ -117,25 +142,46 @@ class Client:
 
     def read_range(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
         """Bytes [start, end) of the pinned version, clipped to the object's size."""
-        ref = handle.blocks
-        if ref is not None and end <= ref.object_size and start < end:
-            size = ref.block_size
-            first = start // size
-            if (end - 1) // size == first:  # the common case, a hit inside one block: no lists, no dicts
-                base = first * size
-                try:
-                    data = blockfile.read(ref, first, start - base, end - base)
-                except (FileNotFoundError, CorruptBlock):
-                    return self._read_misses([(handle, start, end)])[0]
-                self.hits.record(ref.oid, first)
-                return data
-        return self._read_misses([(handle, start, end)])[0]
+        data = self._hit(handle, start, end)
+        return data if data is not None else self._read_misses([(handle, start, end)])[0]
 
     def read_many(self, reads: Sequence[tuple[ObjectHandle, int, int]]) -> list[memoryview]:
         """`read_range` for a batch (a DataLoader batch, say): hits are read here and the
         batch's misses are fetched together, so a batch waits about one fetch, not one per
         sample."""
-        return self._read_misses(reads)
+        hit = self._hit
+        out = [hit(handle, start, end) for handle, start, end in reads]
+        missed = [n for n, data in enumerate(out) if data is None]
+        if missed:
+            for n, data in zip(missed, self._read_misses([reads[n] for n in missed]), strict=True):
+                out[n] = data
+        return out  # type: ignore[return-value]
+
+    def _hit(self, handle: ObjectHandle, start: int, end: int) -> memoryview | None:
+        """The common case, a cache hit inside one block: no lists, no dicts. None otherwise."""
+        ref = handle.blocks
+        if ref is None:
+            return None
+        if ref.small_header is not None and start == 0 and end >= ref.object_size:
+            try:
+                data = blockfile.read_small(ref)
+            except (FileNotFoundError, CorruptBlock):
+                return None
+            self.hits.record(ref.oid, 0)
+            return data
+        if end > ref.object_size or start >= end:
+            return None
+        size = ref.block_size
+        first = start // size
+        if (end - 1) // size != first:
+            return None
+        base = first * size
+        try:
+            data = blockfile.read(ref, first, start - base, end - base)
+        except (FileNotFoundError, CorruptBlock):
+            return None
+        self.hits.record(ref.oid, first)
+        return data
 
     def _read_misses(self, reads: Sequence[tuple[ObjectHandle, int, int]]) -> list[memoryview]:
         """Each read split at block bounds; pieces on disk are read, the rest fetched at once:
@@ -329,9 +375,34 @@ class Client:
     def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         if offset < 0 or (length is not None and length < 0):
             raise InvalidArgument(f"{path}: offset and length must be >= 0")
-        handle = self.handle(path)
-        end = handle.size if length is None else offset + length
-        return bytes(self.read_range(handle, offset, end))
+
+        def attempt() -> bytes:
+            handle = self.handle(path)
+            end = handle.size if length is None else offset + length
+            return bytes(self.read_range(handle, offset, end))
+
+        return self._current(attempt)
+
+    def read_files(self, paths: Sequence[str]) -> list[memoryview]:
+        """Whole files by namespace path, as one batch (`read_many`)."""
+
+        def attempt() -> list[memoryview]:
+            handles = [self.handle(path) for path in paths]
+            return self.read_many([(handle, 0, handle.size) for handle in handles])
+
+        return self._current(attempt)
+
+    def _current(self, attempt: Callable[[], T]) -> T:
+        """Run a read by path; if the source changed and a refresh (maybe in another process)
+        switched a mount since this client last read the mount table, run it once more on the
+        new generation instead of failing on a remembered handle."""
+        try:
+            return attempt()
+        except (ObjectChanged, ObjectMissing):
+            seen = self._generation_of
+            if self._generations(fresh=True) == seen:
+                raise
+            return attempt()
 
     def stat(self, path: str) -> FileStat:
         return self.namespace.stat(path)

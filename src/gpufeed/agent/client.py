@@ -25,6 +25,7 @@ from gpufeed.errors import GpufeedError
 
 HIT_REPORT_BATCH = 512
 HIT_REPORT_INTERVAL_S = 2.0
+HIT_CHECK_EVERY = 32
 START_TIMEOUT_S = 20.0
 START_BACKOFF_S = 10.0
 ATTEMPTS = 4
@@ -212,13 +213,20 @@ class HitReporter:
         self.agent = agent
         self._pending: list[tuple[str, int]] = []
         self._sent = time.monotonic()
+        self._check_at = HIT_CHECK_EVERY
         self._lock = threading.Lock()
 
     def record(self, oid: str, index: int) -> None:
-        pending = self._pending
-        pending.append((oid, index))
-        if len(pending) >= HIT_REPORT_BATCH or (len(pending) % 32 == 0 and time.monotonic() - self._sent > HIT_REPORT_INTERVAL_S):
+        self._pending.append((oid, index))
+        if len(self._pending) >= self._check_at:
+            self._check()
+
+    def _check(self) -> None:
+        """Every HIT_CHECK_EVERY hits: send them when the batch is full or the last report is old."""
+        if len(self._pending) >= HIT_REPORT_BATCH or time.monotonic() - self._sent > HIT_REPORT_INTERVAL_S:
             self.flush(wait=False)
+        else:
+            self._check_at = len(self._pending) + HIT_CHECK_EVERY
 
     def flush(self, *, wait: bool = True) -> None:
         """Report the pending hits. The read path does not wait for the agent to take them
@@ -226,6 +234,7 @@ class HitReporter:
         with self._lock:
             batch, self._pending = self._pending, []
             self._sent = time.monotonic()
+            self._check_at = HIT_CHECK_EVERY
         if batch and self.agent.connected:
             message = {"op": "hits", "blocks": [f"{oid}-{index}" for oid, index in batch]}
             try:

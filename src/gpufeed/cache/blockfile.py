@@ -16,6 +16,24 @@ from xxhash import xxh3_64_intdigest
 from gpufeed.cache.layout import CHUNK, HEAD_SIZE, SMALL_HEAD, SUM, BlockRef, CorruptBlock, encode, small_header, verify
 
 
+def read_small(ref: BlockRef) -> memoryview:
+    """The whole object of a `ref` with a `small_header`: the hit path of every small file,
+    one open and one pread, then length, header and checksum. Raises like `read`."""
+    fd = os.open(f"{ref.prefix}0", os.O_RDONLY)
+    try:
+        raw = os.pread(fd, SMALL_HEAD + ref.object_size, 0)
+    finally:
+        os.close(fd)
+    view = memoryview(raw)
+    if (
+        len(raw) != SMALL_HEAD + ref.object_size
+        or raw[:HEAD_SIZE] != ref.small_header
+        or xxh3_64_intdigest(view[SMALL_HEAD:]) != SUM.unpack_from(raw, HEAD_SIZE)[0]
+    ):
+        raise CorruptBlock("header, length or checksum does not match")
+    return view[SMALL_HEAD:]
+
+
 def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
     """Bytes [start, end) of block `index` (offsets within the block). Raises FileNotFoundError
     on a miss and CorruptBlock when the file is damaged; with `ref.verify` the chunks read are

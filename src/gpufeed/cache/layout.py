@@ -103,10 +103,14 @@ class BlockRef:
     block_size: int
     object_size: int
     verify: bool
+    small_header: bytes | None = None
+    """For a verified object of one chunk (every small file): the fixed part of its block's
+    header, so a hit compares bytes and reads the whole object with one pread."""
 
     @classmethod
     def of(cls, dirs: tuple[Path, ...], oid: str, block_size: int, object_size: int, verify: bool) -> BlockRef:
-        return cls(oid, object_prefix(dirs, oid), block_size, object_size, verify)
+        small = verify and 0 < object_size <= min(CHUNK, block_size)
+        return cls(oid, object_prefix(dirs, oid), block_size, object_size, verify, small_header(object_size) if small else None)
 
     def path(self, index: int) -> str:
         return f"{self.prefix}{index}"

@@ -45,9 +45,7 @@ class FeedDataset(torch.utils.data.Dataset, Generic[T]):
 
     def read(self, i: int) -> bytes:
         """The bytes of file `i`, at the version the manifest lists."""
-        client = gpufeed.client()
-        handle = client.handle(self.paths[i])
-        return bytes(client.read_range(handle, 0, handle.size))
+        return gpufeed.client().read(self.paths[i])
 
     def __getitem__(self, i: int) -> bytes | T:
         data = self.read(i)
@@ -56,10 +54,10 @@ class FeedDataset(torch.utils.data.Dataset, Generic[T]):
     def __getitems__(self, indices: list[int]) -> list[bytes | T]:
         """A DataLoader worker's whole batch (PyTorch calls this instead of one `__getitem__`
         per index): its cache misses are fetched together, not one round trip per sample."""
-        client = gpufeed.client()
-        handles = [client.handle(self.paths[i]) for i in indices]
-        data = [bytes(piece) for piece in client.read_many([(h, 0, h.size) for h in handles])]
-        return data if self.transform is None else [self.transform(item) for item in data]
+        data = [bytes(piece) for piece in gpufeed.client().read_files([self.paths[i] for i in indices])]
+        if self.transform is None:
+            return list[bytes | T](data)
+        return [self.transform(item) for item in data]
 
 
 class FeedIterableDataset(torch.utils.data.IterableDataset, Generic[T]):

@@ -1,0 +1,88 @@
+"""The one-chunk hit path (every small object): one pread, then length, header and xxh3 checked;
+any damage is a CorruptBlock, never wrong bytes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from gpufeed.cache import blockfile
+from gpufeed.cache.layout import HEAD_SIZE, SMALL_HEAD, BlockRef, CorruptBlock, object_id
+
+
+def published(root: Path, data: bytes) -> BlockRef:
+    r = BlockRef.of((root,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, len(data), True)
+    blockfile.publish(Path(r.path(0)), data)
+    return r
+
+
+def flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("size", [0, 1, 100_000, 256 * 1024])
+def test_reads_any_range(tmp_path: Path, size: int) -> None:
+    data = os.urandom(size)
+    r = published(tmp_path, data)
+    whole = blockfile.read(r, 0, 0, size)
+    assert isinstance(whole, memoryview) and whole == data
+    if size > 10:
+        assert bytes(blockfile.read(r, 0, 3, size - 7)) == data[3 : size - 7]
+
+
+def test_missing_block_is_file_not_found(tmp_path: Path) -> None:
+    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, 10, True)
+    with pytest.raises(FileNotFoundError) as caught:
+        blockfile.read(r, 0, 0, 10)
+    assert caught.value.filename == r.path(0)
+
+
+def test_a_read_error_is_an_os_error_not_a_corrupt_block(tmp_path: Path) -> None:
+    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, 10, True)
+    os.makedirs(r.path(0))
+    with pytest.raises(IsADirectoryError):
+        blockfile.read(r, 0, 0, 10)
+
+
+DAMAGE: dict[str, Callable[[str, int], None]] = {
+    "truncated": lambda path, size: os.truncate(path, SMALL_HEAD + size - 1),
+    "only a header": lambda path, size: os.truncate(path, SMALL_HEAD),
+    "flipped data byte": lambda path, size: flip(path, SMALL_HEAD + size // 2),
+    "flipped last data byte": lambda path, size: flip(path, SMALL_HEAD + size - 1),
+    "flipped checksum": lambda path, size: flip(path, HEAD_SIZE + 3),
+    "wrong magic": lambda path, size: flip(path, 0),
+    "wrong length in header": lambda path, size: flip(path, 8),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damage_is_a_corrupt_block(tmp_path: Path, damage: str) -> None:
+    data = os.urandom(100_000)
+    r = published(tmp_path, data)
+    DAMAGE[damage](r.path(0), len(data))
+    with pytest.raises(CorruptBlock):
+        blockfile.read(r, 0, 0, 10)
+    with pytest.raises(CorruptBlock):
+        blockfile.read_small(r)
+
+
+@pytest.mark.parametrize("size", [1, 100_000, 256 * 1024])
+def test_a_small_object_is_read_whole_with_its_header_checked(tmp_path: Path, size: int) -> None:
+    data = os.urandom(size)
+    r = published(tmp_path, data)
+    assert r.small_header is not None
+    assert blockfile.read_small(r) == data
+
+
+def test_only_verified_one_chunk_objects_take_the_small_path(tmp_path: Path) -> None:
+    oid = object_id("src", "key", "v1", 4 << 20, True)
+    assert BlockRef.of((tmp_path,), oid, 4 << 20, 256 * 1024 + 1, True).small_header is None
+    assert BlockRef.of((tmp_path,), oid, 4 << 20, 1000, False).small_header is None
+    assert BlockRef.of((tmp_path,), oid, 4096, 5000, True).small_header is None
