@@ -8,6 +8,7 @@ that opened a block keeps valid bytes even if the agent unlinks it afterwards.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -68,17 +69,35 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
         hi = -(-end // CHUNK) * CHUNK
         if hi > length:
             hi = length
+        scratch = 2 * (end - start) < hi - lo
         if lo == 0:
-            raw = memoryview(os.pread(fd, head + hi, 0))
+            raw = _pread(fd, head + hi, 0, scratch)
             header, chunks = raw[:head], raw[head:]
         else:
-            header, chunks = memoryview(os.pread(fd, head, 0)), memoryview(os.pread(fd, hi - lo, head + lo))
+            header, chunks = memoryview(os.pread(fd, head, 0)), _pread(fd, hi - lo, head + lo, scratch)
     finally:
         os.close(fd)
     if len(chunks) != hi - lo:
         raise CorruptBlock("truncated")
     verify(header, length, chunks, first)
-    return chunks[start - lo : end - lo]
+    wanted = chunks[start - lo : end - lo]
+    return memoryview(bytes(wanted)) if scratch else wanted
+
+
+_scratch = threading.local()
+
+
+def _pread(fd: int, size: int, offset: int, scratch: bool) -> memoryview:
+    """`size` bytes at `offset`, short at the end of the file. With `scratch` they land in this
+    thread's reusable buffer: a read that verifies a 256 KiB chunk to return 115 KB of it
+    would otherwise get a fresh allocation that size every time, which malloc maps and the
+    kernel zeroes and faults in page by page, at a cost above the copy out."""
+    if not scratch:
+        return memoryview(os.pread(fd, size, offset))
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _scratch.buffer = memoryview(bytearray(size))
+    return buffer[: os.preadv(fd, [buffer[:size]], offset)]
 
 
 def publish(path: Path, data: memoryview | bytes) -> int:
