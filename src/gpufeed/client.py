@@ -67,6 +67,7 @@ class Client:
         """Bytes this client caused to be read from sources: its direct reads and the blocks
         the agent fetched for it (a block another process had already asked for is not counted)."""
         self.hits = HitReporter(self.agent)
+        self._record_hit = self.hits.record  # bound once: it runs on every hit
         weakref.finalize(self, self.hits.flush)
         self._warned: set[str] = set()
         self._session = f"reads-{os.getpid()}-{id(self):x}"
@@ -167,7 +168,7 @@ class Client:
                 data = blockfile.read_small(ref)
             except (FileNotFoundError, CorruptBlock):
                 return None
-            self.hits.record(ref.oid, 0)
+            self._record_hit(ref.oid, 0)
             return data
         if end > ref.object_size or start >= end:
             return None
@@ -180,7 +181,7 @@ class Client:
             data = blockfile.read(ref, first, start - base, end - base)
         except (FileNotFoundError, CorruptBlock):
             return None
-        self.hits.record(ref.oid, first)
+        self._record_hit(ref.oid, first)
         return data
 
     def _read_misses(self, reads: Sequence[tuple[ObjectHandle, int, int]]) -> list[memoryview]:
