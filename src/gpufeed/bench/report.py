@@ -61,7 +61,8 @@ def table(report: BenchReport) -> Group:
         )
     legend = (
         "AU: compute / training wall time, first step excluded (MLPerf Storage). "
-        "total: AU and samples/s over the whole run, set-up and first batches included."
+        "total: AU and samples/s over the whole run, set-up and first batches included. "
+        "p50/p99: time a worker took to read a batch (its samples are read together)."
     )
     if work.au_pass is not None:
         legend += f" {work.name} passes at AU >= {work.au_pass:.0%}."
