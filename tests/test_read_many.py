@@ -4,6 +4,7 @@ batch waits for the blocks; errors name the file."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -96,3 +97,16 @@ def test_reads_by_path_remember_the_handle_until_a_refresh(tmp_path: Path, monke
     assert client.read("/m/big.bin", far, 100) == changed[far : far + 100]  # ... or a failed read
     assert client.read_files(["/m/big.bin"])[0] == changed
     assert lookups == ["/m/big.bin"] * 2
+
+
+def test_a_sparse_batch_read_from_async_code(tmp_path: Path) -> None:
+    """A notebook runs an event loop in the thread that calls the (blocking) read API."""
+    data = mount_big_file(tmp_path)
+    client = gpufeed.client()
+    handle = client.handle("/m/big.bin")
+    spans = [(i * BLOCK, i * BLOCK + 10) for i in range(4)]
+
+    async def in_a_loop() -> list[bytes]:
+        return [bytes(piece) for piece in client.read_many([(handle, start, end) for start, end in spans])]
+
+    assert asyncio.run(in_a_loop()) == [data[start:end] for start, end in spans]

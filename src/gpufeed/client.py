@@ -13,6 +13,7 @@ import io
 import logging
 import os
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -266,7 +267,12 @@ class Client:
         async def gather() -> list[memoryview]:
             return await asyncio.gather(*(self._direct_async(h, start, end) for h, start, end in ranges.values()))
 
-        return dict(zip(ranges, asyncio.run(gather()), strict=True))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return dict(zip(ranges, asyncio.run(gather()), strict=True))
+        with ThreadPoolExecutor(1) as thread:  # called from async code (a notebook): its loop is taken
+            return dict(zip(ranges, thread.submit(asyncio.run, gather()).result(), strict=True))
 
     async def _direct_async(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
         expect = None if handle.mount.immutable else handle.info
