@@ -51,7 +51,7 @@ def test_a_sparse_batch_reads_only_its_bytes_and_the_agent_caches_the_blocks(tmp
     assert (BLOCKS // 2) * BLOCK >= SPARSE_FACTOR * 1000 * len(spans)
     got = client.read_many([(handle, start, end) for start, end in spans])
     assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
-    assert client.source_bytes == 1000 * len(spans)
+    assert client.source_bytes == client.direct_bytes == 1000 * len(spans)
     deadline = time.monotonic() + 20
     while cached(client) < len(spans) * BLOCK:
         assert time.monotonic() < deadline, f"{cached(client)} bytes cached; the agent did not cache the blocks"
@@ -70,6 +70,17 @@ def test_a_dense_batch_waits_for_the_blocks(tmp_path: Path) -> None:
     assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
     assert client.source_bytes == 4 * BLOCK
     assert cached(client) == 4 * BLOCK
+
+
+def test_small_reads_that_share_one_block_wait_for_it(tmp_path: Path) -> None:
+    data = mount_big_file(tmp_path)
+    client = gpufeed.client()
+    handle = client.handle("/m/big.bin")
+    spans = [(3 * BLOCK + k * 1000, 3 * BLOCK + k * 1000 + 100) for k in range(8)]
+    got = client.read_many([(handle, start, end) for start, end in spans])
+    assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
+    assert client.source_bytes == BLOCK and client.direct_bytes == 0
+    assert cached(client) == BLOCK
 
 
 def test_a_sparse_batch_over_a_deleted_object_names_it(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ WARM_BATCH = 1024
 HANDLE_CACHE = 65536
 """Handles a client remembers (a few hundred bytes each)."""
 SPARSE_FACTOR = 4
-"""A batch of reads whose missing blocks hold at least this many times the bytes it wants
+"""A batch of reads missing several blocks that hold at least this many times the bytes it wants
 (random samples from big record files: 100 KB from each of 50 different 4 MiB blocks) reads
 those bytes from the source, all at once, and leaves the blocks to the agent: waiting for
 the blocks would move the whole 200 MB first."""
@@ -67,6 +67,8 @@ class Client:
         self.source_bytes = 0
         """Bytes this client caused to be read from sources: its direct reads and the blocks
         the agent fetched for it (a block another process had already asked for is not counted)."""
+        self.direct_bytes = 0
+        """Of those, the bytes this process read from sources itself, not through the agent."""
         self.hits = HitReporter(self.agent)
         self._record_hit = self.hits.record  # bound once: it runs on every hit
         weakref.finalize(self, self.hits.flush)
@@ -140,6 +142,7 @@ class Client:
         except (ObjectMissing, ObjectChanged) as exc:
             raise self._explain(handle, exc) from exc
         self.source_bytes += len(data)
+        self.direct_bytes += len(data)
         return data
 
     def read_range(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
@@ -221,7 +224,7 @@ class Client:
                     repairs.append(index)
         if blocks:
             fetch = [(handle, list(wanted), repairs) for handle, wanted, repairs in blocks.values()]
-            if len(absent) > 1 and block_bytes >= SPARSE_FACTOR * wanted_bytes:
+            if sum(len(wanted) for _, wanted, _ in fetch) > 1 and block_bytes >= SPARSE_FACTOR * wanted_bytes:
                 self._hint(fetch)
             else:
                 uncached = self._fetch(fetch)
@@ -281,6 +284,7 @@ class Client:
         except (ObjectMissing, ObjectChanged) as exc:
             raise self._explain(handle, exc) from exc
         self.source_bytes += len(data)
+        self.direct_bytes += len(data)
         return data
 
     @staticmethod

@@ -62,8 +62,8 @@ class Prepared:
     setup_bytes: int = 0
     ahead: Callable[[np.ndarray], Iterator[object]] | None = None
     source_bytes: Callable[[], int] | None = None
-    """Where readers alone cannot see every source byte (the agent prefetches on its own),
-    the total so far; epochs then report its growth instead of the readers' sums."""
+    """Where readers alone cannot see every source byte (the agent fetches blocks on its own),
+    the agent's total so far; epochs then report its growth plus the readers' own reads."""
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,9 @@ class NamespaceReaderSpec:
 
 class NamespaceReader:
     """Pins each file's version once per worker (one manifest lookup), then reads each batch
-    through `Client.read_many`, one ranged read per sample. Source bytes are the client's own
-    count: every byte without a cache, only the blocks fetched for it with one."""
+    through `Client.read_many`, one ranged read per sample. Source bytes are what it read from
+    the source itself: every byte without a cache; with one, the ranges of sparse batches (the
+    blocks are the agent's, counted by the mode)."""
 
     def __init__(self, client: Client, paths: tuple[str, ...]) -> None:
         self.client = client
@@ -109,7 +110,7 @@ class NamespaceReader:
 
     @property
     def source_bytes(self) -> int:
-        return self.client.source_bytes
+        return self.client.direct_bytes
 
     def _handle(self, file: int) -> ObjectHandle:
         handle = self.handles.get(file)

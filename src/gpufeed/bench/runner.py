@@ -142,7 +142,7 @@ def run_mode(mode: Mode, run: RunContext, config: BenchConfig) -> ModeResult:
                 fetched = prepared.source_bytes() if prepared.source_bytes else 0
                 result = train_epoch(mode.name, loader, epoch, work, run.dataset.record_size)
                 if prepared.source_bytes:
-                    result = replace(result, source_bytes=prepared.source_bytes() - fetched)
+                    result = replace(result, source_bytes=result.source_bytes + prepared.source_bytes() - fetched)
                 run.progress(
                     f"{mode.name}: epoch {epoch}/{work.epochs}: AU {result.au:.0%}, "
                     f"{result.samples_per_s:,.0f} samples/s, {result.epoch_s:.1f} s"
