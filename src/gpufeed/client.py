@@ -12,6 +12,7 @@ import asyncio
 import io
 import logging
 import os
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +35,12 @@ T = TypeVar("T")
 
 WARM_BATCH = 1024
 HANDLE_CACHE = 65536
+READ_AROUND_S = 2.0
+"""How long a process reads around a block it asked the agent to cache. A block still missing
+later is queued behind others because the store's bandwidth is short: reading ranges around
+it would take that bandwidth from the blocks, and the cache would never warm."""
+READ_AROUND_MEMORY = 65536
+"""Blocks a client remembers having read around."""
 """Handles a client remembers (a few hundred bytes each)."""
 SPARSE_FACTOR = 4
 """A batch of reads missing several blocks that hold at least this many times the bytes it wants
@@ -75,6 +82,7 @@ class Client:
         self._warned: set[str] = set()
         self._session = f"reads-{os.getpid()}-{id(self):x}"
         self._handles: dict[str, ObjectHandle] = {}
+        self._read_around_since: dict[tuple[str, int], float] = {}
         self._mounts_seen: list[Mount] | None = None
         self._generation_of: dict[str, int] = {}
 
@@ -195,7 +203,6 @@ class Client:
         pieces: dict[tuple[int, int], memoryview] = {}
         absent: dict[tuple[int, int], tuple[int, int]] = {}  # (read, block) -> object range
         blocks: dict[str, tuple[ObjectHandle, dict[int, None], list[int]]] = {}
-        block_bytes = wanted_bytes = 0  # of the missing blocks, and of them the bytes wanted
         for n, (handle, start, end) in enumerate(reads):
             end = min(end, handle.size)
             ref = handle.blocks
@@ -215,22 +222,21 @@ class Client:
                 except CorruptBlock:
                     repair = True
                 absent[(n, index)] = (lo, hi)
-                wanted_bytes += hi - lo
                 _, wanted, repairs = blocks.setdefault(ref.oid, (handle, {}, []))
-                if index not in wanted:
-                    wanted[index] = None
-                    block_bytes += ref.length(index)
+                wanted[index] = None
                 if repair:
                     repairs.append(index)
         if blocks:
-            fetch = [(handle, list(wanted), repairs) for handle, wanted, repairs in blocks.values()]
-            if sum(len(wanted) for _, wanted, _ in fetch) > 1 and block_bytes >= SPARSE_FACTOR * wanted_bytes:
-                self._hint(fetch)
-            else:
-                uncached = self._fetch(fetch)
+            around = self._read_around(reads, absent, blocks)
+            waiting = []
+            for oid, (handle, wanted, repairs) in blocks.items():
+                if rest := [index for index in wanted if (oid, index) not in around]:
+                    waiting.append((handle, rest, repairs))
+            if waiting:
+                uncached = self._fetch(waiting)
                 for (n, index), (lo, hi) in list(absent.items()):
                     ref = reads[n][0].blocks
-                    if ref is None or (ref.oid, index) in uncached:
+                    if ref is None or (ref.oid, index) in uncached or (ref.oid, index) in around:
                         continue
                     base = index * ref.block_size
                     try:
@@ -241,6 +247,43 @@ class Client:
         if absent:
             pieces.update(self._direct_many({key: (reads[key[0]][0], lo, hi) for key, (lo, hi) in absent.items()}))
         return [self._joined(pieces, n, handle, start, end) for n, (handle, start, end) in enumerate(reads)]
+
+    def _read_around(
+        self,
+        reads: Sequence[tuple[ObjectHandle, int, int]],
+        absent: dict[tuple[int, int], tuple[int, int]],
+        blocks: dict[str, tuple[ObjectHandle, dict[int, None], list[int]]],
+    ) -> set[tuple[str, int]]:
+        """The missing blocks whose pieces this batch reads straight from the source (see
+        SPARSE_FACTOR), after asking the agent to cache them; the rest it waits for. A block
+        is read around for READ_AROUND_S after this process first did so; later reads of it
+        wait for the agent."""
+        now = time.monotonic()
+        since = self._read_around_since
+        fresh = {
+            (oid, index)
+            for oid, (_, wanted, repairs) in blocks.items()
+            for index in wanted
+            if now - since.get((oid, index), now) < READ_AROUND_S and index not in repairs
+        }
+        if len(fresh) < 2:
+            return set()
+        block_bytes = 0
+        for oid, index in fresh:
+            ref = blocks[oid][0].blocks
+            assert ref is not None
+            block_bytes += ref.length(index)
+        wanted_bytes = sum(
+            hi - lo for (n, index), (lo, hi) in absent.items() if (ref := reads[n][0].blocks) and (ref.oid, index) in fresh
+        )
+        if block_bytes < SPARSE_FACTOR * wanted_bytes:
+            return set()
+        self._hint([(blocks[oid][0], [index], []) for oid, index in fresh])
+        for key in fresh:
+            since.setdefault(key, now)
+        while len(since) > READ_AROUND_MEMORY:
+            del since[next(iter(since))]
+        return fresh
 
     @staticmethod
     def _joined(pieces: dict[tuple[int, int], memoryview], n: int, handle: ObjectHandle, start: int, end: int) -> memoryview:
