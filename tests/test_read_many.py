@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def test_a_batch_of_mixed_reads_returns_each_reads_bytes(tmp_path: Path) -> None
     assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
 
 
-def test_a_sparse_batch_reads_only_its_bytes_once_and_the_agent_caches_the_blocks(tmp_path: Path) -> None:
+def test_a_sparse_batch_reads_only_its_bytes_then_waits_for_the_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = mount_big_file(tmp_path)
     client = gpufeed.client()
     handle = client.handle("/m/big.bin")
@@ -51,7 +52,8 @@ def test_a_sparse_batch_reads_only_its_bytes_once_and_the_agent_caches_the_block
     got = client.read_many([(handle, start, end) for start, end in spans])
     assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
     assert client.source_bytes == client.direct_bytes == 1000 * len(spans)
-    again = client.read_many([(handle, start, end) for start, end in spans])  # once per block: now it waits
+    monkeypatch.setattr(sys.modules["gpufeed.client"], "READ_AROUND_S", 0.0)  # as if READ_AROUND_S had passed: now it waits
+    again = client.read_many([(handle, start, end) for start, end in spans])
     assert [bytes(piece) for piece in again] == [data[start:end] for start, end in spans]
     assert client.direct_bytes == 1000 * len(spans)
     assert cached(client) == len(spans) * BLOCK
