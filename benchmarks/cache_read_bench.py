@@ -23,6 +23,7 @@ from collections.abc import Callable
 import fsspec
 
 import gpufeed
+from gpufeed.client import ObjectHandle
 from gpufeed.namespace import Namespace
 
 from common import scratch_home
@@ -88,19 +89,15 @@ def main() -> None:
                     os.close(fd)
             return total
 
-        def via_handles(batch: list[int]) -> int:
-            total = 0
-            for i in batch:
-                handle = handles[i]
-                total += len(client.read_range(handle, 0, handle.size))
-            return total
+        def through(opened: list[ObjectHandle]) -> Callable[[list[int]], int]:
+            def read(batch: list[int]) -> int:
+                total = 0
+                for i in batch:
+                    handle = opened[i]
+                    total += len(client.read_range(handle, 0, handle.size))
+                return total
 
-        def via_trusting(batch: list[int]) -> int:
-            total = 0
-            for i in batch:
-                handle = trusting[i]
-                total += len(client.read_range(handle, 0, handle.size))
-            return total
+            return read
 
         def via_path(batch: list[int]) -> int:
             return sum(len(gpufeed.read(paths[i])) for i in batch)
@@ -116,8 +113,8 @@ def main() -> None:
         measured = rates(
             {
                 "raw os.open+pread+close": raw,
-                "gpufeed read_range (handles)": via_handles,
-                "gpufeed read_range, verify=never": via_trusting,
+                "gpufeed read_range (handles)": through(handles),
+                "gpufeed read_range, verify=never": through(trusting),
                 "gpufeed.read(path)": via_path,
                 "fsspec simplecache::": via_simplecache,
             },

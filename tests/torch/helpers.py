@@ -7,6 +7,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch.utils.data
 
 from gpufeed.namespace import Namespace
@@ -54,3 +55,8 @@ class CrashOnce:
             self.marker.unlink()
             os.kill(os.getpid(), signal.SIGKILL)
         return i
+
+
+def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))

@@ -19,7 +19,7 @@ from gpufeed.errors import InvalidArgument
 from gpufeed.torch import FeedIterableDataset, Shard, epoch_permutation
 from gpufeed.torch.order import shard_order
 from tests.torch import ddp_job
-from tests.torch.helpers import decode, mount_files
+from tests.torch.helpers import as_rank, decode, mount_files
 
 N = 31  # not divisible by 2 or 3: ranks need padding or a dropped tail
 
@@ -27,17 +27,6 @@ N = 31  # not divisible by 2 or 3: ranks need padding or a dropped tail
 @pytest.fixture
 def root(tmp_path: Path) -> str:
     return mount_files(tmp_path, N)
-
-
-@pytest.fixture(autouse=True)
-def single_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-
-
-def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
-    monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setenv("WORLD_SIZE", str(world))
 
 
 def test_shuffle_reads_each_epoch_in_its_own_order_every_file_once(root: str) -> None:

@@ -18,23 +18,12 @@ import gpufeed
 from gpufeed.errors import InvalidArgument
 from gpufeed.torch import FeedDataset, FeedLoader, FeedSampler, Shard, epoch_permutation
 from tests.torch import crashing_job
-from tests.torch.helpers import CrashOnce, N, decode, mount_files
+from tests.torch.helpers import CrashOnce, N, as_rank, decode, mount_files
 
 
 @pytest.fixture
 def data(tmp_path: Path) -> FeedDataset[int]:
     return FeedDataset(mount_files(tmp_path), transform=decode)
-
-
-@pytest.fixture(autouse=True)
-def single_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-
-
-def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
-    monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setenv("WORLD_SIZE", str(world))
 
 
 def flat(batches: Iterable[list[int]]) -> list[int]:
