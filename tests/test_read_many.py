@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 import gpufeed
 from gpufeed.client import SPARSE_FACTOR, Client
-from gpufeed.errors import ObjectMissing
+from gpufeed.errors import ObjectChanged, ObjectMissing
 from gpufeed.namespace import Namespace
 
 BLOCK = 64 * 1024
@@ -122,3 +123,53 @@ def test_a_sparse_batch_read_from_async_code(tmp_path: Path) -> None:
         return [bytes(piece) for piece in client.read_many([(handle, start, end) for start, end in spans])]
 
     assert asyncio.run(in_a_loop()) == [data[start:end] for start, end in spans]
+
+
+def test_a_batch_bigger_than_one_agent_request_is_sent_in_several(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = mount_big_file(tmp_path)
+    monkeypatch.setattr(sys.modules["gpufeed.client"], "FETCH_BATCH", 3)
+    client = gpufeed.client()
+    handle = client.handle("/m/big.bin")
+    assert bytes(client.read_many([(handle, 0, len(data))])[0]) == data
+    assert cached(client) == len(data) and client.direct_bytes == 0
+
+
+def test_threads_share_the_remembered_handles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "many"
+    root.mkdir()
+    files = {f"f{i:03d}": os.urandom(100 + i) for i in range(64)}
+    for name, content in files.items():
+        (root / name).write_bytes(content)
+    Namespace().add_mount("/many", f"file://{root}")
+    monkeypatch.setattr(sys.modules["gpufeed.client"], "HANDLE_CACHE", 4)  # evictions all the time
+    client = Client()
+
+    def read_all(offset: int) -> bool:
+        names = list(files)[offset:] + list(files)[:offset]
+        return all(client.read(f"/many/{name}") == files[name] for name in names * 3)
+
+    with ThreadPoolExecutor(8) as threads:
+        assert all(threads.map(read_all, range(0, 64, 8)))
+
+
+def test_read_around_hints_pin_nothing(tmp_path: Path) -> None:
+    mount_big_file(tmp_path)
+    client = gpufeed.client()
+    handle = client.handle("/m/big.bin")
+    spans = [(i * BLOCK, i * BLOCK + 10) for i in range(0, BLOCKS, 2)]
+    client.read_many([(handle, start, end) for start, end in spans])
+    assert client.direct_bytes == 10 * len(spans)
+    client._fetch([(handle, [i for i in range(0, BLOCKS, 2)], [])])  # the hinted blocks, now surely fetched
+    assert client.agent.request({"op": "stats"})["pinned_bytes"] == 0
+
+
+def test_a_short_read_from_the_source_is_an_error_not_zeros(tmp_path: Path) -> None:
+    root = tmp_path / "imm"
+    root.mkdir()
+    (root / "x.bin").write_bytes(os.urandom(50_000))
+    Namespace().add_mount("/imm", f"file://{root}", {"cache": "off"}, immutable=True)
+    client = Client()
+    handle = client.handle("/imm/x.bin")
+    (root / "x.bin").write_bytes(os.urandom(20_000))  # "immutable", and yet it shrank
+    with pytest.raises(ObjectChanged, match="/imm/x.bin: changed at the source"):
+        client.read_many([(handle, 0, 10_000), (handle, 10_000, 50_000)])

@@ -12,6 +12,7 @@ import asyncio
 import io
 import logging
 import os
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +34,11 @@ from gpufeed.sources.stores import caller_credentials
 log = logging.getLogger("gpufeed")
 T = TypeVar("T")
 
-WARM_BATCH = 1024
 HANDLE_CACHE = 65536
+DIRECT_CONCURRENCY = 64
+"""Ranged GETs one batch keeps in flight when it reads from the source itself."""
+FETCH_BATCH = 4096
+"""Blocks in one agent fetch request; a bigger batch is sent in several."""
 READ_AROUND_S = 2.0
 """How long a process reads around a block it asked the agent to cache. A block still missing
 later is queued behind others because the store's bandwidth is short: reading ranges around
@@ -81,6 +85,8 @@ class Client:
         weakref.finalize(self, self.hits.flush)
         self._warned: set[str] = set()
         self._session = f"reads-{os.getpid()}-{id(self):x}"
+        self._lock = threading.Lock()
+        """Guards evictions from the two bounded memories below (lookups need no lock)."""
         self._handles: dict[str, ObjectHandle] = {}
         self._read_around_since: dict[tuple[str, int], float] = {}
         self._mounts_seen: list[Mount] | None = None
@@ -120,9 +126,10 @@ class Client:
             blocks = BlockRef.of(dirs, oid, policy.block_size, info.size, policy.verify)
         handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, blocks)
         if mount.max_age is None and (blocks is not None or not policy.enabled or info.size == 0):
-            if len(self._handles) >= HANDLE_CACHE:
-                del self._handles[next(iter(self._handles))]
-            self._handles[path] = handle
+            with self._lock:
+                if len(self._handles) >= HANDLE_CACHE:
+                    del self._handles[next(iter(self._handles))]
+                self._handles[path] = handle
         return handle
 
     def _generations(self, *, fresh: bool = False) -> dict[str, int]:
@@ -149,8 +156,15 @@ class Client:
             data = handle.source.get_range(handle.info.key, start, end, expect)
         except (ObjectMissing, ObjectChanged) as exc:
             raise self._explain(handle, exc) from exc
+        return self._counted(handle, data, start, end)
+
+    def _counted(self, handle: ObjectHandle, data: memoryview, start: int, end: int) -> memoryview:
+        """Count bytes read from the source; a short read (an immutable mount's object that
+        shrank) is an error, never a piece padded with zeros."""
         self.source_bytes += len(data)
         self.direct_bytes += len(data)
+        if len(data) != end - start:
+            raise self._explain(handle, ObjectChanged(f"read {len(data)} of {end - start} bytes at offset {start}"))
         return data
 
     def read_range(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
@@ -279,10 +293,11 @@ class Client:
         if block_bytes < SPARSE_FACTOR * wanted_bytes:
             return set()
         self._hint([(blocks[oid][0], [index], []) for oid, index in fresh])
-        for key in fresh:
-            since.setdefault(key, now)
-        while len(since) > READ_AROUND_MEMORY:
-            del since[next(iter(since))]
+        with self._lock:
+            for key in fresh:
+                since.setdefault(key, now)
+            while len(since) > READ_AROUND_MEMORY:
+                del since[next(iter(since))]
         return fresh
 
     @staticmethod
@@ -305,13 +320,14 @@ class Client:
         return memoryview(out)
 
     def _direct_many(self, ranges: dict[tuple[int, int], tuple[ObjectHandle, int, int]]) -> dict[tuple[int, int], memoryview]:
-        """Source reads, all in flight at once (one ranged GET each)."""
+        """Source reads, up to DIRECT_CONCURRENCY in flight at once (one ranged GET each)."""
         if len(ranges) == 1:
             ((key, (handle, start, end)),) = ranges.items()
             return {key: self._direct(handle, start, end)}
 
         async def gather() -> list[memoryview]:
-            return await asyncio.gather(*(self._direct_async(h, start, end) for h, start, end in ranges.values()))
+            slots = asyncio.Semaphore(DIRECT_CONCURRENCY)
+            return await asyncio.gather(*(self._direct_async(h, start, end, slots) for h, start, end in ranges.values()))
 
         try:
             asyncio.get_running_loop()
@@ -320,15 +336,14 @@ class Client:
         with ThreadPoolExecutor(1) as thread:  # called from async code (a notebook): its loop is taken
             return dict(zip(ranges, thread.submit(asyncio.run, gather()).result(), strict=True))
 
-    async def _direct_async(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
+    async def _direct_async(self, handle: ObjectHandle, start: int, end: int, slots: asyncio.Semaphore) -> memoryview:
         expect = None if handle.mount.immutable else handle.info
         try:
-            data = await handle.source.get_range_async(handle.info.key, start, end, expect)
+            async with slots:
+                data = await handle.source.get_range_async(handle.info.key, start, end, expect)
         except (ObjectMissing, ObjectChanged) as exc:
             raise self._explain(handle, exc) from exc
-        self.source_bytes += len(data)
-        self.direct_bytes += len(data)
-        return data
+        return self._counted(handle, data, start, end)
 
     @staticmethod
     def _groups(wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> tuple[list[dict], list[ObjectHandle]]:
@@ -358,16 +373,17 @@ class Client:
             )
         return [group for group, _ in groups.values()], [h for _, members in groups.values() for h in members]
 
-    def prefetch(self, wanted: list[tuple[ObjectHandle, list[int]]], session: str) -> dict:
+    def prefetch(self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool = True) -> dict:
         """Ask the agent to fetch these blocks soon, for prefetch `session`; returns at once.
+        With `pin`, fetched blocks are not evicted until read or until the session ends.
         Raises AgentUnavailable; see gpufeed.prefetch for the window that calls this."""
         groups, _ = self._groups([(handle, blocks, []) for handle, blocks in wanted if handle.blocks is not None])
-        return self.agent.request({"op": "prefetch", "session": session, "groups": groups})
+        return self.agent.request({"op": "prefetch", "session": session, "groups": groups, "pin": pin})
 
     def _hint(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> None:
         """Have the agent cache blocks this client reads around; nobody waits for them."""
         try:
-            self.prefetch([(handle, blocks) for handle, blocks, _ in wanted], self._session)
+            self.prefetch([(handle, blocks) for handle, blocks, _ in wanted], self._session, pin=False)
         except GpufeedError:
             pass  # a hint: the next read of these blocks fetches them itself
 
@@ -378,8 +394,22 @@ class Client:
             pass  # no agent, nothing queued
 
     def _fetch(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> set[tuple[str, int]]:
-        """Ask the agent to publish these blocks (of one or many objects) and wait; returns the
-        (object id, block) pairs it could not cache."""
+        """Ask the agent to publish these blocks (of one or many objects) and wait, FETCH_BATCH
+        blocks a request; returns the (object id, block) pairs it could not cache."""
+        uncached: set[tuple[str, int]] = set()
+        request: list[tuple[ObjectHandle, list[int], list[int]]] = []
+        count = 0
+        for handle, blocks, repair in wanted:
+            for first in range(0, len(blocks), FETCH_BATCH):
+                part = blocks[first : first + FETCH_BATCH]
+                if count + len(part) > FETCH_BATCH:
+                    uncached |= self._fetch_once(request)
+                    request, count = [], 0
+                request.append((handle, part, [i for i in repair if i in part]))
+                count += len(part)
+        return uncached | self._fetch_once(request) if request else uncached
+
+    def _fetch_once(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> set[tuple[str, int]]:
         groups, order = self._groups(wanted)
         try:
             reply = self.agent.request({"op": "fetch", "groups": groups})
@@ -389,22 +419,28 @@ class Client:
         self.source_bytes += reply.get("fetched", 0)
         if reply.get("errors"):
             failure = reply["errors"][0]
-            raise self._explain(order[failure.get("object", 0)], error_from(failure))
+            error = error_from(failure)
+            if "object" not in failure:
+                raise error
+            handle = order[failure["object"]]
+            if isinstance(error, (ObjectMissing, ObjectChanged)):
+                raise self._explain(handle, error)
+            raise type(error)(f"{handle.path}: {error}")
         uncached = {(order[number].blocks.oid, index) for number, index in reply.get("uncached", ())}  # type: ignore[union-attr]
         if uncached:
             self._warn_once("uncached", f"the cache in {self.agent.primary} cannot hold more blocks; reading uncached")
         return uncached
 
     def warm(self, handle: ObjectHandle) -> int:
-        """Make every block of `handle` present in the node cache without reading it (one
-        agent request per WARM_BATCH missing blocks); returns the bytes that were cached already."""
+        """Make every block of `handle` present in the node cache without reading it; returns
+        the bytes that were cached already."""
         ref = handle.blocks
         if ref is None:
             return 0
         count = -(-handle.size // ref.block_size)
         missing = [i for i in range(count) if not os.path.exists(ref.path(i))]
-        for first in range(0, len(missing), WARM_BATCH):
-            self._fetch([(handle, missing[first : first + WARM_BATCH], [])])
+        if missing:
+            self._fetch([(handle, missing, [])])
         return handle.size - sum(ref.length(i) for i in missing)
 
     def cached_bytes(self, path: str) -> Iterator[tuple[FileStat, int]]:
@@ -450,10 +486,10 @@ class Client:
         """Run a read by path; if the source changed and a refresh (maybe in another process)
         switched a mount since this client last read the mount table, run it once more on the
         new generation instead of failing on a remembered handle."""
+        seen = self._generations()
         try:
             return attempt()
         except (ObjectChanged, ObjectMissing):
-            seen = self._generation_of
             if self._generations(fresh=True) == seen:
                 raise
             return attempt()

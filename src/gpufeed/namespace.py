@@ -182,7 +182,10 @@ class Namespace:
     def refresh(self, path: str) -> tuple[Mount, ManifestStats]:
         mount = self.mount(path)
         self._forget_mounts()
-        return write_manifest(self.engine, mount, self.source(mount), create=False)
+        try:
+            return write_manifest(self.engine, mount, self.source(mount), create=False)
+        finally:
+            self._forget_mounts()  # a reader in another thread may have cached the old table meanwhile
 
     def remove_mount(self, path: str) -> Mount:
         mount = self.mount(path)

@@ -191,6 +191,12 @@ class AgentClient:
             raise AgentUnavailable(f"agent for {self.primary}: {exc}") from exc
 
     @property
+    def one_way(self) -> bool:
+        """Whether the agent this client greeted takes `notify` (an older one answers every
+        message, and an unread answer would be taken for the next request's)."""
+        return bool(self._hello and self._hello.get("noreply"))
+
+    @property
     def connected(self) -> bool:
         """Whether this thread holds a live connection (hit reports never start an agent)."""
         return getattr(self._local, "sock", None) is not None and self._local.pid == os.getpid()
@@ -238,7 +244,7 @@ class HitReporter:
         if batch and self.agent.connected:
             message = {"op": "hits", "blocks": [f"{oid}-{index}" for oid, index in batch]}
             try:
-                if wait:
+                if wait or not self.agent.one_way:
                     self.agent.request(message, start=False)
                 else:
                     self.agent.notify(message)

@@ -68,6 +68,9 @@ class Session:
     """One prefetching job (a sampler's iteration): its queued fetches and pinned blocks."""
 
     name: str
+    pin: bool = True
+    """Whether its fetched blocks stay pinned until read. A reader's hints about blocks it read
+    around do not pin: nothing promises those blocks will be read soon."""
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     pinned: set[str] = field(default_factory=set)
     cancelled: bool = False
@@ -290,7 +293,7 @@ class Agent:
         fetched ones stay pinned (never evicted) until read or until the session ends."""
         session = self.sessions.get(message["session"])
         if session is None:
-            session = self.sessions[message["session"]] = Session(message["session"])
+            session = self.sessions[message["session"]] = Session(message["session"], bool(message.get("pin", True)))
             owned.add(session.name)
         jobs = self._jobs(message["groups"])
         for _, source, obj, index in jobs:
@@ -302,7 +305,7 @@ class Agent:
     async def _prefetch_block(self, session: Session, source: Source, obj: dict[str, Any], index: int) -> None:
         assert self._prefetch_slots is not None
         async with self._prefetch_slots:
-            if session.cancelled or self.pinned_bytes > PIN_FRACTION * self.limit():
+            if session.cancelled or (session.pin and self.pinned_bytes > PIN_FRACTION * self.limit()):
                 return
             try:
                 status, _ = await self.block(source, obj, index, False)
@@ -311,7 +314,7 @@ class Agent:
                 log.debug("prefetch of block %d of %s failed: %s", index, obj["key"], exc)
                 return
             name = f"{obj['oid']}-{index}"
-            if status == "ok" and not session.cancelled and name not in self.pinned:
+            if status == "ok" and session.pin and not session.cancelled and name not in self.pinned:
                 self.pinned[name] = session.name
                 session.pinned.add(name)
                 self.pinned_bytes += self.sizes.get(name, 0)
@@ -348,6 +351,7 @@ class Agent:
             "uptime_s": time.time() - self.started,
             "pinned_bytes": self.pinned_bytes,
             "latency_ms": self.latency_s * 1000,
+            "noreply": True,  # this agent leaves messages marked noreply unanswered
             **{
                 k: self.stats[k]
                 for k in ("hits", "misses", "bytes_fetched", "repairs", "evictions", "uncached", "prefetched", "prefetch_errors")
