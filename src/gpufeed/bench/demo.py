@@ -16,7 +16,7 @@ from gpufeed.bench.remote import DEFAULT_LATENCY_MS
 from gpufeed.bench.runner import BenchConfig, Progress, interruptible, run_bench, scratch_dir
 from gpufeed.bench.workloads import WORKLOADS, Workload, workload
 
-SAMPLES = 2 * 1251
+SAMPLES = 5 * 1251
 EPOCHS = 2
 BATCH = 50
 
