@@ -35,6 +35,7 @@ log = logging.getLogger("gpufeed")
 T = TypeVar("T")
 
 HANDLE_CACHE = 65536
+"""Handles a client remembers (a few hundred bytes each)."""
 DIRECT_CONCURRENCY = 64
 """Ranged GETs one batch keeps in flight when it reads from the source itself."""
 FETCH_BATCH = 4096
@@ -45,13 +46,11 @@ later is queued behind others because the store's bandwidth is short: reading ra
 it would take that bandwidth from the blocks, and the cache would never warm."""
 READ_AROUND_MEMORY = 65536
 """Blocks a client remembers having read around."""
-"""Handles a client remembers (a few hundred bytes each)."""
 SPARSE_FACTOR = 4
 """A batch of reads missing several blocks that hold at least this many times the bytes it wants
 (random samples from big record files: 100 KB from each of 50 different 4 MiB blocks) reads
 those bytes from the source, all at once, and leaves the blocks to the agent: waiting for
 the blocks would move the whole 200 MB first."""
-
 
 
 @dataclass(frozen=True, slots=True)
