@@ -18,17 +18,24 @@ from gpufeed.cache.layout import CHUNK, HEAD_SIZE, SMALL_HEAD, SUM, BlockRef, Co
 
 
 def read_small(ref: BlockRef) -> memoryview:
-    """The whole object of a `ref` with a `small_header`: the hit path of every small file,
-    one open and one pread, then length, header and checksum. Raises like `read`."""
-    fd = os.open(f"{ref.prefix}0", os.O_RDONLY)
+    """The whole object of a `ref` with a `small_header`: the hit path of every small file.
+    Raises like `read`."""
+    assert ref.small_header is not None
+    return _one_chunk(f"{ref.prefix}0", ref.object_size, ref.small_header)
+
+
+def _one_chunk(path: str, length: int, header: bytes) -> memoryview:
+    """The data of a verified one-chunk block: one open, one pread of header and data, then
+    length, header and checksum compared."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        raw = os.pread(fd, SMALL_HEAD + ref.object_size, 0)
+        raw = os.pread(fd, SMALL_HEAD + length, 0)
     finally:
         os.close(fd)
     view = memoryview(raw)
     if (
-        len(raw) != SMALL_HEAD + ref.object_size
-        or raw[:HEAD_SIZE] != ref.small_header
+        len(raw) != SMALL_HEAD + length
+        or raw[:HEAD_SIZE] != header
         or xxh3_64_intdigest(view[SMALL_HEAD:]) != SUM.unpack_from(raw, HEAD_SIZE)[0]
     ):
         raise CorruptBlock("header, length or checksum does not match")
@@ -44,19 +51,7 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
     if length > ref.block_size:
         length = ref.block_size
     if length <= CHUNK and ref.verify:  # one chunk (every small object): header and data in one pread
-        fd = os.open(f"{ref.prefix}{index}", os.O_RDONLY)
-        try:
-            raw = os.pread(fd, SMALL_HEAD + length, 0)
-        finally:
-            os.close(fd)
-        view = memoryview(raw)
-        if (
-            len(raw) != SMALL_HEAD + length
-            or raw[:HEAD_SIZE] != small_header(length)
-            or xxh3_64_intdigest(view[SMALL_HEAD:]) != SUM.unpack_from(raw, HEAD_SIZE)[0]
-        ):
-            raise CorruptBlock("header, length or checksum does not match")
-        return view[SMALL_HEAD + start : SMALL_HEAD + end]
+        return _one_chunk(f"{ref.prefix}{index}", length, small_header(length))[start:end]
     head = HEAD_SIZE + 8 * (-(-length // CHUNK) or 1)
     fd = os.open(f"{ref.prefix}{index}", os.O_RDONLY)
     try:
