@@ -24,9 +24,9 @@ WRITE_HIGH_WATER = 1 << 20
 
 
 class Pacer:
-    """A shared link of `rate` bytes/s: each chunk leaves when the link has finished the
-    chunks before it. `delay` books the chunk, not before `after` seconds from now, and
-    says how long to wait."""
+    """A shared link of `rate` bytes/s: each chunk arrives when the link has finished
+    sending it, after the chunks before it. `delay` books the chunk, starting not before
+    `after` seconds from now, and says how long until it has arrived."""
 
     def __init__(self, rate: float) -> None:
         self.rate = rate
@@ -36,7 +36,7 @@ class Pacer:
         now = time.monotonic()
         start = max(now + after, self._free_at)
         self._free_at = start + size / self.rate
-        return start - now
+        return self._free_at - now
 
 
 class Shaper:
