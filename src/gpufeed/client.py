@@ -190,10 +190,10 @@ class Client:
             return None
         if ref.small_header is not None and start == 0 and end >= ref.object_size:
             try:
-                data = blockfile.read_small(ref)
+                data = blockfile.read_one_chunk(ref.small_path, ref.object_size, ref.small_header)
             except (FileNotFoundError, CorruptBlock):
                 return None
-            self._record_hit(ref.oid, 0)
+            self._record_hit(ref.small_name)
             return data
         if end > ref.object_size or start >= end:
             return None
@@ -206,7 +206,7 @@ class Client:
             data = blockfile.read(ref, first, start - base, end - base)
         except (FileNotFoundError, CorruptBlock):
             return None
-        self._record_hit(ref.oid, first)
+        self._record_hit(f"{ref.oid}-{first}")
         return data
 
     def _read_misses(self, reads: Sequence[tuple[ObjectHandle, int, int]]) -> list[memoryview]:
@@ -228,7 +228,7 @@ class Client:
                 lo, hi = max(start, index * size), min(end, (index + 1) * size)
                 try:
                     pieces[(n, index)] = blockfile.read(ref, index, lo - index * size, hi - index * size)
-                    self.hits.record(ref.oid, index)
+                    self.hits.record(f"{ref.oid}-{index}")
                     continue
                 except FileNotFoundError:
                     repair = False
@@ -468,7 +468,7 @@ class Client:
         def attempt() -> bytes:
             handle = self.handle(path)
             end = handle.size if length is None else offset + length
-            return bytes(self.read_range(handle, offset, end))
+            return blockfile.as_bytes(self.read_range(handle, offset, end))
 
         return self._current(attempt)
 
@@ -551,7 +551,7 @@ class FeedFile(io.RawIOBase):
         end = self.size if size is None or size < 0 else self._pos + size
         data = self._client.read_range(self._handle, self._pos, end)
         self._pos += len(data)
-        return bytes(data)
+        return blockfile.as_bytes(data)
 
     def readall(self) -> bytes:
         return self.read()

@@ -13,6 +13,7 @@ from typing import Any
 from fsspec import AbstractFileSystem
 
 import gpufeed
+from gpufeed.cache.blockfile import as_bytes
 from gpufeed.client import FeedFile
 from gpufeed.errors import InvalidArgument
 from gpufeed.namespace import FileStat
@@ -55,7 +56,7 @@ class GpufeedFileSystem(AbstractFileSystem):
         start, end = start or 0, handle.size if end is None else end
         if start < 0 or end < 0:  # fsspec allows offsets from the end
             start, end = (start + handle.size if start < 0 else start), (end + handle.size if end < 0 else end)
-        return bytes(client.read_range(handle, start, end))
+        return as_bytes(client.read_range(handle, start, end))
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> FeedFile:
         if mode != "rb":

@@ -69,8 +69,9 @@ def test_damage_is_a_corrupt_block(tmp_path: Path, damage: str) -> None:
     DAMAGE[damage](r.path(0), len(data))
     with pytest.raises(CorruptBlock):
         blockfile.read(r, 0, 0, 10)
+    assert r.small_header is not None
     with pytest.raises(CorruptBlock):
-        blockfile.read_small(r)
+        blockfile.read_one_chunk(r.small_path, r.object_size, r.small_header)
 
 
 @pytest.mark.parametrize("size", [1, 100_000, 256 * 1024])
@@ -78,7 +79,18 @@ def test_a_small_object_is_read_whole_with_its_header_checked(tmp_path: Path, si
     data = os.urandom(size)
     r = published(tmp_path, data)
     assert r.small_header is not None
-    assert blockfile.read_small(r) == data
+    assert blockfile.read_one_chunk(r.small_path, r.object_size, r.small_header) == data
+
+
+def test_a_whole_small_object_is_handed_out_without_a_copy(tmp_path: Path) -> None:
+    data = os.urandom(100_000)
+    r = published(tmp_path, data)
+    assert r.small_header is not None
+    view = blockfile.read_one_chunk(r.small_path, r.object_size, r.small_header)
+    whole = blockfile.as_bytes(view)
+    assert whole == data and whole is view.obj
+    part = blockfile.as_bytes(view[10:20])
+    assert part == data[10:20] and part is not view.obj
 
 
 def test_only_verified_one_chunk_objects_take_the_small_path(tmp_path: Path) -> None:

@@ -217,13 +217,14 @@ class HitReporter:
 
     def __init__(self, agent: AgentClient) -> None:
         self.agent = agent
-        self._pending: list[tuple[str, int]] = []
+        self._pending: list[str] = []
         self._sent = time.monotonic()
         self._check_at = HIT_CHECK_EVERY
         self._lock = threading.Lock()
 
-    def record(self, oid: str, index: int) -> None:
-        self._pending.append((oid, index))
+    def record(self, block: str) -> None:
+        """`block`: the block's name, `{oid}-{index}` (a string: no tuple for the collector)."""
+        self._pending.append(block)
         if len(self._pending) >= self._check_at:
             self._check()
 
@@ -242,7 +243,7 @@ class HitReporter:
             self._sent = time.monotonic()
             self._check_at = HIT_CHECK_EVERY
         if batch and self.agent.connected:
-            message = {"op": "hits", "blocks": [f"{oid}-{index}" for oid, index in batch]}
+            message = {"op": "hits", "blocks": " ".join(batch)}  # one string: cheap to encode
             try:
                 if wait or not self.agent.one_way:
                     self.agent.request(message, start=False)

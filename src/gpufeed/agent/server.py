@@ -370,10 +370,11 @@ class Agent:
             self.cancel(message["session"])
             return {"ok": True}
         if op == "hits":
-            for name in message["blocks"]:
+            names = message["blocks"].split()
+            for name in names:
                 self.policy.access(name)
                 self._unpin(name)
-            self.stats["hits"] += len(message["blocks"])
+            self.stats["hits"] += len(names)
             return {"ok": True}
         if op in ("hello", "stats"):
             return {"ok": True, **self.snapshot()}

@@ -105,12 +105,18 @@ class BlockRef:
     verify: bool
     small_header: bytes | None = None
     """For a verified object of one chunk (every small file): the fixed part of its block's
-    header, so a hit compares bytes and reads the whole object with one pread."""
+    header, so a hit compares bytes instead of unpacking (`blockfile.read_one_chunk`)."""
+    small_path: str = ""
+    """With `small_header`: the path of the object's one block, made once, not on every hit."""
+    small_name: str = ""
+    """With `small_header`: the name its hits are reported by, `{oid}-0`, made once too."""
 
     @classmethod
     def of(cls, dirs: tuple[Path, ...], oid: str, block_size: int, object_size: int, verify: bool) -> BlockRef:
-        small = verify and 0 < object_size <= min(CHUNK, block_size)
-        return cls(oid, object_prefix(dirs, oid), block_size, object_size, verify, small_header(object_size) if small else None)
+        prefix = object_prefix(dirs, oid)
+        if verify and 0 < object_size <= min(CHUNK, block_size):
+            return cls(oid, prefix, block_size, object_size, verify, small_header(object_size), f"{prefix}0", f"{oid}-0")
+        return cls(oid, prefix, block_size, object_size, verify)
 
     def path(self, index: int) -> str:
         return f"{self.prefix}{index}"
