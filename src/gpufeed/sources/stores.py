@@ -22,22 +22,34 @@ from gpufeed.sources.base import parse_bool
 from gpufeed.sources.objstore import ObstoreSource
 
 
-_S3_CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "aws_access_key_id",
-    "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
-    "AWS_SESSION_TOKEN": "aws_session_token",
+_CALLER_CREDENTIALS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("s3://", "s3a://"): ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"),
+    ("gs://", "gcs://"): ("GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_KEY", "GOOGLE_APPLICATION_CREDENTIALS"),
+    ("az://", "azure://", "abfs://"): (
+        "AZURE_STORAGE_ACCOUNT_KEY",
+        "AZURE_STORAGE_SAS_KEY",
+        "AZURE_STORAGE_TOKEN",
+        "AZURE_CLIENT_ID",
+        "AZURE_CLIENT_SECRET",
+        "AZURE_TENANT_ID",
+    ),
 }
+"""Per store kind, the environment variables that carry a reader's own credentials. Each is
+also the store's config key in lower case (the names obstore reads from the environment)."""
 
 
 def caller_credentials(url: str, options: dict[str, str]) -> dict[str, str]:
     """The store credentials in this process's environment, as store options. A client sends
     them with each request to the node agent (same user only), so the agent reads with the
     reader's identity instead of whatever its own environment held when it started; they are
-    never written to the metadata engine."""
-    if not url.startswith(("s3://", "s3a://")) or parse_bool("anonymous", options.get("anonymous", "false")):
+    never written to the metadata engine. S3 keys go only as a pair with their key id."""
+    if parse_bool("anonymous", options.get("anonymous", "false")):
         return {}
-    found = {key: os.environ[name] for name, key in _S3_CREDENTIALS.items() if os.environ.get(name)}
-    return found if "aws_access_key_id" in found else {}
+    names = next((names for schemes, names in _CALLER_CREDENTIALS.items() if url.startswith(schemes)), ())
+    found = {name.lower(): os.environ[name] for name in names if os.environ.get(name)}
+    if url.startswith(("s3://", "s3a://")) and "aws_access_key_id" not in found:
+        return {}
+    return found
 
 
 def client_options(settings: Settings, endpoint: str | None = None) -> dict[str, Any]:
