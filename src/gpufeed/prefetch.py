@@ -120,10 +120,11 @@ class Prefetcher:
                     size = 0
                     if read is not None:
                         handle, blocks, size = self._blocks(read)
-                        fresh = [b for b in blocks if (handle.blocks.oid, b) not in sent] if handle.blocks else []
-                        if fresh:  # samples sharing a block ask for it once (within recent memory)
+                        ref = handle.blocks
+                        fresh = [b for b in blocks if (ref.oid, b) not in sent] if ref else []
+                        if ref and fresh:  # samples sharing a block ask for it once (within recent memory)
                             for block in fresh:
-                                sent[(handle.blocks.oid, block)] = None
+                                sent[(ref.oid, block)] = None
                             while len(sent) > RECENT_BLOCKS:
                                 sent.popitem(last=False)
                             batch.append((handle, fresh))

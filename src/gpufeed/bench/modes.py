@@ -34,8 +34,11 @@ COPY_STREAMS = 8
 
 
 class SampleReader(Protocol):
-    source_bytes: int
-    """Bytes this reader fetched from the source (not from local disk or a cache)."""
+    @property
+    def source_bytes(self) -> int:
+        """Bytes this reader fetched from the source (not from local disk or a cache); read-only,
+        so a reader may compute it."""
+        ...
 
     def read_batch(self, reads: list[tuple[int, int, int]]) -> list[int]:
         """Read bytes [start, end) of dataset file `file` for each (file, start, end) of a

@@ -45,14 +45,14 @@ def warmup(
     client = Client()
     wanted = _paths(paths or [], listing)
     if dry_run:
-        total = cached = files = 0
+        total = cached = count = 0
         for path in wanted:
             for item, present in client.cached_bytes(path):
-                files += 1
+                count += 1
                 total += item.size
                 cached += present
         fraction = cached / total if total else 1.0
-        out.print(f"{files} files, {human_bytes(total)}; {fraction:.1%} cached ({human_bytes(total - cached)} to fetch)", highlight=False)
+        out.print(f"{count} files, {human_bytes(total)}; {fraction:.1%} cached ({human_bytes(total - cached)} to fetch)", highlight=False)
         return
     files = warming.files_under(client, wanted)
     columns = (

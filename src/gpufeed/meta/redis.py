@@ -13,9 +13,11 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from typing import cast
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
+from redis.typing import EncodableT, FieldT
 
 from gpufeed.errors import MetadataError, MountConflict
 from gpufeed.meta.base import Entry, Mount, engine_errors
@@ -61,6 +63,8 @@ class RedisEngine:
 
     @property
     def _r(self) -> redis.Redis:
+        """With decode_responses every reply is str; redis-py types replies `bytes | str`, so
+        reads that need str cast them."""
         if self._pid != os.getpid() or self._client is None:
             self._client = redis.Redis.from_url(
                 self._connect_url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30
@@ -100,7 +104,7 @@ class RedisEngine:
         return int(self._r.incr(f"{self.prefix}:generation"))
 
     def put_entries(self, generation: int, entries: Iterable[Entry]) -> None:
-        by_parent: dict[str, dict[str, str]] = defaultdict(dict)
+        by_parent: dict[str, dict[FieldT, EncodableT]] = defaultdict(dict)
         for entry in entries:
             by_parent[entry.parent][entry.name] = _encode(entry)
         pipe = self._r.pipeline(transaction=False)
@@ -122,11 +126,11 @@ class RedisEngine:
         self._r.unlink(dirs)
 
     def lookup(self, generation: int, parent: str, name: str) -> Entry | None:
-        raw = self._r.hget(self._dir(generation, parent), name)
+        raw = cast("str | None", self._r.hget(self._dir(generation, parent), name))
         return _decode(parent, name, raw) if raw is not None else None
 
     def listdir(self, generation: int, parent: str) -> list[Entry]:
-        mapping = self._r.hgetall(self._dir(generation, parent))
+        mapping = cast("dict[str, str]", self._r.hgetall(self._dir(generation, parent)))
         return [_decode(parent, name, mapping[name]) for name in sorted(mapping)]
 
     def walk(self, generation: int, prefix: str) -> Iterator[Entry]:

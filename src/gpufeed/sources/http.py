@@ -8,6 +8,7 @@ source URL. Lines without a size are completed with a HEAD request.
 from __future__ import annotations
 
 import asyncio
+import builtins
 from collections import deque
 from collections.abc import Iterator
 from email.utils import parsedate_to_datetime
@@ -41,7 +42,7 @@ class HttpSource(ObstoreSource):
         else:
             yield from self._crawl_index()
 
-    def _list_file(self, path: Path) -> Iterator[list[ObjectInfo]]:
+    def _list_file(self, path: Path) -> Iterator[builtins.list[ObjectInfo]]:
         """Only listing needs the file: reads work after it is gone."""
         batch: list[tuple[str, int | None]] = []
         try:
@@ -62,14 +63,14 @@ class HttpSource(ObstoreSource):
         if batch:
             yield self._complete(batch)
 
-    def _complete(self, batch: list[tuple[str, int | None]]) -> list[ObjectInfo]:
+    def _complete(self, batch: builtins.list[tuple[str, int | None]]) -> builtins.list[ObjectInfo]:
         missing = [key for key, size in batch if size is None]
         heads: dict[str, ObjectInfo] = {}
         if missing:
             heads = dict(zip(missing, asyncio.run(self._head_many(missing))))
         return [heads[key] if size is None else ObjectInfo(key, size, 0.0) for key, size in batch]
 
-    async def _head_many(self, keys: list[str]) -> list[ObjectInfo]:
+    async def _head_many(self, keys: builtins.list[str]) -> builtins.list[ObjectInfo]:
         async def one(key: str) -> ObjectInfo:
             try:
                 return self._info(await obstore.head_async(self.store, key))
@@ -78,7 +79,7 @@ class HttpSource(ObstoreSource):
 
         return await asyncio.gather(*(one(key) for key in keys))
 
-    def _crawl_index(self) -> Iterator[list[ObjectInfo]]:
+    def _crawl_index(self) -> Iterator[builtins.list[ObjectInfo]]:
         """Breadth-first over directories, INDEX_CONCURRENCY index pages at a time; memory holds
         only the frontier of directories, never the whole listing."""
         loop = asyncio.new_event_loop()
@@ -107,10 +108,12 @@ class HttpSource(ObstoreSource):
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout, connect=self.settings.connect_timeout)
         return aiohttp.ClientSession(timeout=timeout)
 
-    async def _index_pages(self, session: aiohttp.ClientSession, directories: list[str]) -> list[list[dict[str, Any]]]:
+    async def _index_pages(
+        self, session: aiohttp.ClientSession, directories: builtins.list[str]
+    ) -> builtins.list[builtins.list[dict[str, Any]]]:
         return await asyncio.gather(*(self._index_page(session, d) for d in directories))
 
-    async def _index_page(self, session: aiohttp.ClientSession, directory: str) -> list[dict[str, Any]]:
+    async def _index_page(self, session: aiohttp.ClientSession, directory: str) -> builtins.list[dict[str, Any]]:
         url = f"{self.url}/{quote(directory)}"
         try:
             async with session.get(url) as response:

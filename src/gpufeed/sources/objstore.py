@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import obstore
 from obstore import exceptions as obx
@@ -23,6 +23,9 @@ from gpufeed.errors import (
     SourceUnreachable,
 )
 from gpufeed.sources.base import ObjectInfo
+
+if TYPE_CHECKING:
+    from obstore import GetOptions, GetResult, ObjectMeta
 
 LIST_CHUNK = 1000
 
@@ -93,7 +96,7 @@ class ObstoreSource:
         return SourceError(f"{where}: {message}")
 
     @staticmethod
-    def _info(meta: dict[str, Any]) -> ObjectInfo:
+    def _info(meta: ObjectMeta) -> ObjectInfo:
         modified: datetime | None = meta.get("last_modified")
         return ObjectInfo(
             key=meta["path"],
@@ -116,8 +119,8 @@ class ObstoreSource:
             raise self.translate(exc, key) from exc
 
     @staticmethod
-    def _get_options(start: int, end: int, expect: ObjectInfo | None) -> dict[str, Any]:
-        options: dict[str, Any] = {"range": (start, end)}
+    def _get_options(start: int, end: int, expect: ObjectInfo | None) -> GetOptions:
+        options: GetOptions = {"range": (start, end)}
         if expect is not None:
             if expect.etag:
                 options["if_match"] = expect.etag
@@ -126,7 +129,7 @@ class ObstoreSource:
         return options
 
     @staticmethod
-    def _check_size(result: Any, expect: ObjectInfo | None) -> None:
+    def _check_size(result: GetResult, expect: ObjectInfo | None) -> None:
         if expect is not None and result.meta["size"] != expect.size:
             raise obx.PreconditionError(f"size {result.meta['size']} != {expect.size}")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import SplitResult
 
 from obstore import exceptions as obx
@@ -20,6 +20,9 @@ from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument, PathNotFound
 from gpufeed.sources.base import parse_bool
 from gpufeed.sources.objstore import ObstoreSource
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig
 
 
 _CALLER_CREDENTIALS: dict[tuple[str, ...], tuple[str, ...]] = {
@@ -52,8 +55,8 @@ def caller_credentials(url: str, options: dict[str, str]) -> dict[str, str]:
     return found
 
 
-def client_options(settings: Settings, endpoint: str | None = None) -> dict[str, Any]:
-    options: dict[str, Any] = {
+def client_options(settings: Settings, endpoint: str | None = None) -> ClientConfig:
+    options: ClientConfig = {
         "connect_timeout": timedelta(seconds=settings.connect_timeout),
         "timeout": timedelta(seconds=settings.request_timeout),
     }
@@ -62,7 +65,7 @@ def client_options(settings: Settings, endpoint: str | None = None) -> dict[str,
     return options
 
 
-def retry_config(settings: Settings) -> dict[str, Any]:
+def retry_config(settings: Settings) -> RetryConfig:
     return {"max_retries": 3, "retry_timeout": timedelta(seconds=settings.retry_timeout)}
 
 
@@ -134,7 +137,7 @@ def s3_source(url: str, parts: SplitResult, options: dict[str, str], settings: S
 
 def _profile_credentials(url: str, profile: str) -> Any:
     try:
-        import boto3
+        import boto3  # type: ignore[import-untyped]
         from obstore.auth.boto3 import Boto3CredentialProvider
     except ImportError:
         raise InvalidArgument(f"{url}: AWS profile {profile!r} needs boto3: pip install 'gpufeed[aws]'") from None
@@ -171,8 +174,8 @@ def azure_source(url: str, parts: SplitResult, options: dict[str, str], settings
     endpoint = config.get("endpoint")
     if "account" in config:
         config["account_name"] = config.pop("account")
-    if parse_bool("anonymous", config.pop("anonymous", "false")):
-        config["skip_signature"] = True
+    anonymous = parse_bool("anonymous", config.pop("anonymous", "false"))
+    store_config: dict[str, str | bool] = {**config, "skip_signature": True} if anonymous else dict(config)
     return _construct(
         f"az://{container}/{prefix or ''}",
         endpoint,
@@ -180,7 +183,7 @@ def azure_source(url: str, parts: SplitResult, options: dict[str, str], settings
         AzureStore,
         container_name=container,
         prefix=prefix,
-        config=config or None,
+        config=store_config or None,
         client_options=client_options(settings, endpoint),
         retry_config=retry_config(settings),
     )
