@@ -243,7 +243,7 @@ class HitReporter:
             self._sent = time.monotonic()
             self._check_at = HIT_CHECK_EVERY
         if batch and self.agent.connected:
-            message = {"op": "hits", "blocks": " ".join(batch)}  # one string: cheap to encode
+            message = {"op": "hits", "names": " ".join(batch)}  # one string: cheap to encode
             try:
                 if wait or not self.agent.one_way:
                     self.agent.request(message, start=False)

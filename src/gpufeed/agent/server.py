@@ -370,7 +370,7 @@ class Agent:
             self.cancel(message["session"])
             return {"ok": True}
         if op == "hits":
-            names = message["blocks"].split()
+            names = message["names"].split()  # a new key: an older agent fails on it, never misreads it
             for name in names:
                 self.policy.access(name)
                 self._unpin(name)
