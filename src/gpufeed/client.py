@@ -23,7 +23,7 @@ from typing import TypeVar
 from gpufeed.agent.client import AgentClient, AgentUnavailable, HitReporter
 from gpufeed.agent.protocol import error_from
 from gpufeed.cache import blockfile
-from gpufeed.cache.layout import BlockRef, CorruptBlock, object_id
+from gpufeed.cache.layout import BlockRef, CorruptBlock, block_name, object_id
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing
 from gpufeed.meta import Mount
@@ -206,7 +206,7 @@ class Client:
             data = blockfile.read(ref, first, start - base, end - base)
         except (FileNotFoundError, CorruptBlock):
             return None
-        self._record_hit(f"{ref.oid}-{first}")
+        self._record_hit(block_name(ref.oid, first))
         return data
 
     def _read_misses(self, reads: Sequence[tuple[ObjectHandle, int, int]]) -> list[memoryview]:
@@ -228,7 +228,7 @@ class Client:
                 lo, hi = max(start, index * size), min(end, (index + 1) * size)
                 try:
                     pieces[(n, index)] = blockfile.read(ref, index, lo - index * size, hi - index * size)
-                    self.hits.record(f"{ref.oid}-{index}")
+                    self.hits.record(block_name(ref.oid, index))
                     continue
                 except FileNotFoundError:
                     repair = False

@@ -223,7 +223,7 @@ class HitReporter:
         self._lock = threading.Lock()
 
     def record(self, block: str) -> None:
-        """`block`: the block's name, `{oid}-{index}` (a string: no tuple for the collector)."""
+        """`block`: the block's `layout.block_name` (a string: no tuple for the collector)."""
         self._pending.append(block)
         if len(self._pending) >= self._check_at:
             self._check()

@@ -31,7 +31,7 @@ from gpufeed import errors
 from gpufeed.agent import protocol
 from gpufeed.cache import blockfile
 from gpufeed.cache.eviction import S3Fifo
-from gpufeed.cache.layout import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, block_length, block_path, object_id
+from gpufeed.cache.layout import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, block_length, block_name, block_path, object_id
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError
 from gpufeed.sources import Source, open_source
@@ -171,7 +171,7 @@ class Agent:
         fetched from the source). 'uncached': the cache cannot hold it and the client reads the
         source itself. A call that joins another's fetch fetched nothing."""
         oid = obj["oid"]
-        name = f"{oid}-{index}"
+        name = block_name(oid, index)
         path = block_path(self.config.dirs, oid, index)
         if repair and name not in self.inflight:
             path.unlink(missing_ok=True)
@@ -313,7 +313,7 @@ class Agent:
                 self.stats["prefetch_errors"] += 1
                 log.debug("prefetch of block %d of %s failed: %s", index, obj["key"], exc)
                 return
-            name = f"{obj['oid']}-{index}"
+            name = block_name(obj["oid"], index)
             if status == "ok" and session.pin and not session.cancelled and name not in self.pinned:
                 self.pinned[name] = session.name
                 session.pinned.add(name)

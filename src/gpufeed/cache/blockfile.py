@@ -28,7 +28,12 @@ def read_one_chunk(path: str, length: int, header: bytes) -> memoryview:
         data = os.pread(fd, length, SMALL_HEAD)
     finally:
         os.close(fd)
-    if len(data) != length or len(head) != SMALL_HEAD or not head.startswith(header) or xxh3_64_intdigest(data) != SUM.unpack_from(head, HEAD_SIZE)[0]:
+    if (
+        len(data) != length
+        or len(head) != SMALL_HEAD
+        or not head.startswith(header)
+        or xxh3_64_intdigest(data) != SUM.unpack_from(head, HEAD_SIZE)[0]
+    ):
         raise CorruptBlock("header, length or checksum does not match")
     return memoryview(data)
 

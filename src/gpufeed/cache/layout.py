@@ -49,6 +49,11 @@ def object_prefix(dirs: tuple[Path, ...], oid: str) -> str:
     return f"{root}/blocks/{oid[:2]}/{oid}-"
 
 
+def block_name(oid: str, index: int) -> str:
+    """What the agent's eviction and pins call a block, and hit reports name it by."""
+    return f"{oid}-{index}"
+
+
 def block_path(dirs: tuple[Path, ...], oid: str, index: int) -> Path:
     return Path(f"{object_prefix(dirs, oid)}{index}")
 
@@ -115,7 +120,7 @@ class BlockRef:
     def of(cls, dirs: tuple[Path, ...], oid: str, block_size: int, object_size: int, verify: bool) -> BlockRef:
         prefix = object_prefix(dirs, oid)
         if verify and 0 < object_size <= min(CHUNK, block_size):
-            return cls(oid, prefix, block_size, object_size, verify, small_header(object_size), f"{prefix}0", f"{oid}-0")
+            return cls(oid, prefix, block_size, object_size, verify, small_header(object_size), f"{prefix}0", block_name(oid, 0))
         return cls(oid, prefix, block_size, object_size, verify)
 
     def path(self, index: int) -> str:
