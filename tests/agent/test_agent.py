@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import gpufeed
+from gpufeed.agent import protocol
 from gpufeed.agent.client import AgentClient, connect, stop_agent
 from gpufeed.client import Client
 from gpufeed.config import Settings
@@ -94,6 +95,25 @@ def test_hits_need_no_agent(files: dict[str, bytes], gpufeed_home: Path) -> None
         assert client.read(f"/data/{name}") == data
     client.hits.flush()
     assert connect(gpufeed_home / "cache") is None, "hits and hit reports never start an agent"
+
+
+def test_an_agent_of_another_release_is_left_alone_with_one_warning(
+    files: dict[str, bytes], gpufeed_home: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After an upgrade the old agent may still run: readers read uncached instead of
+    exchanging messages either side could misread, and say how to replace it."""
+    started = subprocess.run([sys.executable, "-m", "gpufeed", "agent", "start"], capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    monkeypatch.setattr(protocol, "VERSION", protocol.VERSION + 1)  # this reader is the newer release
+    client = Client()
+    with caplog.at_level("WARNING", logger="gpufeed"):
+        for name, data in files.items():
+            assert client.read(f"/data/{name}") == data
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "another gpufeed release" in warnings[0] and "gpufeed agent stop" in warnings[0]
+    assert (stats()["misses"], block_files(gpufeed_home / "cache")) == (0, []), "nothing went through the old agent"
+    stopped = subprocess.run([sys.executable, "-m", "gpufeed", "agent", "stop"], capture_output=True, text=True)
+    assert stopped.returncode == 0 and connect(gpufeed_home / "cache") is None
 
 
 def test_multi_block_objects_and_small_blocks(tmp_path: Path) -> None:

@@ -191,19 +191,22 @@ class AgentClient:
             raise AgentUnavailable(f"agent for {self.primary}: {exc}") from exc
 
     @property
-    def one_way(self) -> bool:
-        """Whether the agent this client greeted takes `notify` (an older one answers every
-        message, and an unread answer would be taken for the next request's)."""
-        return bool(self._hello and self._hello.get("noreply"))
-
-    @property
     def connected(self) -> bool:
         """Whether this thread holds a live connection (hit reports never start an agent)."""
         return getattr(self._local, "sock", None) is not None and self._local.pid == os.getpid()
 
     def hello(self) -> dict[str, Any]:
+        """The agent's greeting, checked once: an agent still running from another gpufeed
+        release (after an upgrade) is not used, so no message is misread on either side."""
         if self._hello is None:
-            self._hello = self.request({"op": "hello"})
+            reply = self.request({"op": "hello"})
+            if reply.get("protocol") != protocol.VERSION:
+                raise AgentUnavailable(
+                    f"the agent for {self.primary} (pid {reply.get('pid')}) runs another gpufeed release "
+                    f"(protocol {reply.get('protocol', 1)}, this one {protocol.VERSION}); "
+                    "stop it with `gpufeed agent stop` and the next read starts a current one"
+                )
+            self._hello = reply
         return self._hello
 
     @property
@@ -245,7 +248,7 @@ class HitReporter:
         if batch and self.agent.connected:
             message = {"op": "hits", "names": " ".join(batch)}  # one string: cheap to encode
             try:
-                if wait or not self.agent.one_way:
+                if wait:
                     self.agent.request(message, start=False)
                 else:
                     self.agent.notify(message)

@@ -20,6 +20,10 @@ from gpufeed import errors
 
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 64 << 20
+VERSION = 2
+"""What the agent and its clients must agree on; the agent says it in `hello`. Raise it with
+any change a running agent of the last release would misread (2: one-way messages, hit
+reports as one string of names)."""
 
 
 def address(cache_dir: Path) -> str:

@@ -351,7 +351,7 @@ class Agent:
             "uptime_s": time.time() - self.started,
             "pinned_bytes": self.pinned_bytes,
             "latency_ms": self.latency_s * 1000,
-            "noreply": True,  # this agent leaves messages marked noreply unanswered
+            "protocol": protocol.VERSION,
             **{
                 k: self.stats[k]
                 for k in ("hits", "misses", "bytes_fetched", "repairs", "evictions", "uncached", "prefetched", "prefetch_errors")
@@ -370,7 +370,7 @@ class Agent:
             self.cancel(message["session"])
             return {"ok": True}
         if op == "hits":
-            names = message["names"].split()  # a new key: an older agent fails on it, never misreads it
+            names = message["names"].split()
             for name in names:
                 self.policy.access(name)
                 self._unpin(name)
