@@ -23,7 +23,8 @@ from typing import TypeVar
 from gpufeed.agent.client import AgentClient, AgentUnavailable, HitReporter
 from gpufeed.agent.protocol import error_from
 from gpufeed.cache import blockfile
-from gpufeed.cache.layout import BlockRef, CorruptBlock, block_name, object_id
+from gpufeed.cache.layout import BlockRef, CorruptBlock, block_length, block_name, block_path, object_id
+from gpufeed.cache.openfiles import OpenBlocks, capacity_for, deletion_counter
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing
 from gpufeed.meta import Mount
@@ -90,9 +91,13 @@ class Client:
         self._read_around_since: dict[tuple[str, int], float] = {}
         self._mounts_seen: list[Mount] | None = None
         self._generation_of: dict[str, int] = {}
+        self._files: OpenBlocks | None = None
+        """Block files this client holds open between hits, once it knows the cache."""
 
     def close(self) -> None:
         self.hits.flush()
+        if self._files is not None:
+            self._files.close()
         self.agent.close()
         self.namespace.close()
 
@@ -103,10 +108,14 @@ class Client:
 
     def _cache_dirs(self) -> tuple | None:
         try:
-            return self.agent.dirs
+            dirs = self.agent.dirs
         except AgentUnavailable as exc:
             self._warn_once("agent", f"{exc}; reading without the cache")
             return None
+        if self._files is None:
+            self._files = OpenBlocks(deletion_counter(dirs[0], writable=False), capacity_for(self.settings.open_blocks))
+            self.hits.every_check = self._files.check
+        return dirs
 
     def handle(self, path: str) -> ObjectHandle:
         """The object at `path`, pinned to the version its mount's manifest lists. Handles are
@@ -122,7 +131,8 @@ class Client:
         blocks = None
         if policy.enabled and info.size > 0 and (dirs := self._cache_dirs()) is not None:
             oid = object_id(source_identity(mount.url, mount.options), info.key, info.version, policy.block_size, not mount.immutable)
-            blocks = BlockRef.of(dirs, oid, policy.block_size, info.size, policy.verify)
+            assert self._files is not None
+            blocks = BlockRef.of(dirs, oid, policy.block_size, info.size, policy.verify, self._files)
         handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, blocks)
         if mount.max_age is None and (blocks is not None or not policy.enabled or info.size == 0):
             with self._lock:
@@ -190,7 +200,7 @@ class Client:
             return None
         if ref.small_header is not None and start == 0 and end >= ref.object_size:
             try:
-                data = blockfile.read_one_chunk(ref.small_path, ref.object_size, ref.small_header)
+                data = blockfile.read_one_chunk(ref.files, ref.small_path, ref.object_size, ref.small_header)
             except (FileNotFoundError, CorruptBlock):
                 return None
             self._record_hit(ref.small_name)
@@ -454,9 +464,9 @@ class Client:
                 continue
             identity = source_identity(where.mount.url, where.mount.options)
             oid = object_id(identity, where.key, item.version, policy.block_size, not where.mount.immutable)
-            ref = BlockRef.of(dirs, oid, policy.block_size, item.size, False)
             count = -(-item.size // policy.block_size)
-            yield item, sum(ref.length(i) for i in range(count) if os.path.exists(ref.path(i)))
+            present = (i for i in range(count) if block_path(dirs, oid, i).exists())
+            yield item, sum(block_length(item.size, policy.block_size, i) for i in present)
 
     def open(self, path: str) -> FeedFile:
         return FeedFile(self, self.handle(path))

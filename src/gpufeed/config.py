@@ -56,6 +56,8 @@ class Settings:
     verify: `GPUFEED_VERIFY` = always | never: checksum every cached read, or trust the disk.
     agent_idle_timeout: seconds an auto-started agent waits with no clients before it exits
         (`GPUFEED_AGENT_IDLE_TIMEOUT`, 300).
+    open_blocks: block files a reading process keeps open between hits (`GPUFEED_OPEN_BLOCKS`,
+        4096; 0 opens and closes one on every hit), at most a quarter of its open-file limit.
     """
 
     home: Path
@@ -69,6 +71,7 @@ class Settings:
     block_size: int
     verify: bool
     agent_idle_timeout: float
+    open_blocks: int
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -86,6 +89,7 @@ class Settings:
             block_size=parse_size(os.environ.get("GPUFEED_BLOCK_SIZE") or "4MiB", "GPUFEED_BLOCK_SIZE"),
             verify=parse_verify(os.environ.get("GPUFEED_VERIFY") or "always", "GPUFEED_VERIFY"),
             agent_idle_timeout=_float_env("GPUFEED_AGENT_IDLE_TIMEOUT", 300.0),
+            open_blocks=int(_float_env("GPUFEED_OPEN_BLOCKS", 4096)),
         )
 
 

@@ -11,10 +11,11 @@ import pytest
 
 from gpufeed.cache import blockfile
 from gpufeed.cache.layout import HEAD_SIZE, SMALL_HEAD, BlockRef, CorruptBlock, object_id
+from gpufeed.cache.openfiles import OpenBlocks
 
 
 def published(root: Path, data: bytes) -> BlockRef:
-    r = BlockRef.of((root,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, len(data), True)
+    r = BlockRef.of((root,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, len(data), True, OpenBlocks(None, 0))
     blockfile.publish(Path(r.path(0)), data)
     return r
 
@@ -38,14 +39,14 @@ def test_reads_any_range(tmp_path: Path, size: int) -> None:
 
 
 def test_missing_block_is_file_not_found(tmp_path: Path) -> None:
-    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, 10, True)
+    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, 10, True, OpenBlocks(None, 0))
     with pytest.raises(FileNotFoundError) as caught:
         blockfile.read(r, 0, 0, 10)
     assert caught.value.filename == r.path(0)
 
 
 def test_a_read_error_is_an_os_error_not_a_corrupt_block(tmp_path: Path) -> None:
-    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, 10, True)
+    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, 10, True, OpenBlocks(None, 0))
     os.makedirs(r.path(0))
     with pytest.raises(IsADirectoryError):
         blockfile.read(r, 0, 0, 10)
@@ -71,7 +72,7 @@ def test_damage_is_a_corrupt_block(tmp_path: Path, damage: str) -> None:
         blockfile.read(r, 0, 0, 10)
     assert r.small_header is not None
     with pytest.raises(CorruptBlock):
-        blockfile.read_one_chunk(r.small_path, r.object_size, r.small_header)
+        blockfile.read_one_chunk(r.files, r.small_path, r.object_size, r.small_header)
 
 
 @pytest.mark.parametrize("size", [1, 100_000, 256 * 1024])
@@ -79,14 +80,14 @@ def test_a_small_object_is_read_whole_with_its_header_checked(tmp_path: Path, si
     data = os.urandom(size)
     r = published(tmp_path, data)
     assert r.small_header is not None
-    assert blockfile.read_one_chunk(r.small_path, r.object_size, r.small_header) == data
+    assert blockfile.read_one_chunk(r.files, r.small_path, r.object_size, r.small_header) == data
 
 
 def test_a_whole_small_object_is_handed_out_without_a_copy(tmp_path: Path) -> None:
     data = os.urandom(100_000)
     r = published(tmp_path, data)
     assert r.small_header is not None
-    view = blockfile.read_one_chunk(r.small_path, r.object_size, r.small_header)
+    view = blockfile.read_one_chunk(r.files, r.small_path, r.object_size, r.small_header)
     whole = blockfile.as_bytes(view)
     assert whole == data and whole is view.obj
     part = blockfile.as_bytes(view[10:20])
@@ -95,6 +96,6 @@ def test_a_whole_small_object_is_handed_out_without_a_copy(tmp_path: Path) -> No
 
 def test_only_verified_one_chunk_objects_take_the_small_path(tmp_path: Path) -> None:
     oid = object_id("src", "key", "v1", 4 << 20, True)
-    assert BlockRef.of((tmp_path,), oid, 4 << 20, 256 * 1024 + 1, True).small_header is None
-    assert BlockRef.of((tmp_path,), oid, 4 << 20, 1000, False).small_header is None
-    assert BlockRef.of((tmp_path,), oid, 4096, 5000, True).small_header is None
+    assert BlockRef.of((tmp_path,), oid, 4 << 20, 256 * 1024 + 1, True, OpenBlocks(None, 0)).small_header is None
+    assert BlockRef.of((tmp_path,), oid, 4 << 20, 1000, False, OpenBlocks(None, 0)).small_header is None
+    assert BlockRef.of((tmp_path,), oid, 4096, 5000, True, OpenBlocks(None, 0)).small_header is None

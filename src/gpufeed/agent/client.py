@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -214,12 +214,19 @@ class AgentClient:
         return tuple(Path(d) for d in self.hello()["dirs"])
 
 
+def _nothing() -> None:
+    pass
+
+
 class HitReporter:
     """Collects the blocks a process read from disk and tells the agent in batches, so eviction
     knows what is hot without a round trip per hit. Never starts an agent just to report."""
 
     def __init__(self, agent: AgentClient) -> None:
         self.agent = agent
+        self.every_check: Callable[[], None] = _nothing
+        """Runs every HIT_CHECK_EVERY hits: housekeeping a reader wants done often, but not on
+        every hit (letting go of deleted block files)."""
         self._pending: list[str] = []
         self._sent = time.monotonic()
         self._check_at = HIT_CHECK_EVERY
@@ -233,6 +240,7 @@ class HitReporter:
 
     def _check(self) -> None:
         """Every HIT_CHECK_EVERY hits: send them when the batch is full or the last report is old."""
+        self.every_check()
         if len(self._pending) >= HIT_REPORT_BATCH or time.monotonic() - self._sent > HIT_REPORT_INTERVAL_S:
             self.flush(wait=False)
         else:

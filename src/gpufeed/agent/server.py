@@ -32,6 +32,7 @@ from gpufeed.agent import protocol
 from gpufeed.cache import blockfile
 from gpufeed.cache.eviction import S3Fifo
 from gpufeed.cache.layout import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, block_length, block_name, block_path, object_id
+from gpufeed.cache.openfiles import deletion_counter
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError
 from gpufeed.sources import Source, open_source
@@ -111,6 +112,9 @@ class Agent:
         self.pinned: dict[str, str] = {}
         self.pinned_bytes = 0
         self.latency_s = 0.02
+        self.deletions = deletion_counter(config.primary, writable=True)
+        """The count readers watch to let go of deleted block files; None when the cache dir
+        cannot hold it (full), and then readers hold none."""
         self._stop: asyncio.Event | None = None
         self._fetch_slots: asyncio.Semaphore | None = None
         self._prefetch_slots: asyncio.Semaphore | None = None
@@ -144,12 +148,21 @@ class Agent:
 
     def _evict_to(self, goal: int) -> int:
         freed = 0
-        for name in self.policy.victims(goal, frozenset(self.inflight).union(self.pinned)):
+        victims = self.policy.victims(goal, frozenset(self.inflight).union(self.pinned))
+        for name in victims:
             oid, _, index = name.rpartition("-")
             block_path(self.config.dirs, oid, int(index)).unlink(missing_ok=True)
             freed += self.sizes.pop(name, 0)
             self.stats["evictions"] += 1
+        if victims:
+            self._deleted()
         return freed
+
+    def _deleted(self) -> None:
+        """Tell readers that block files are gone, after the unlinks, so they close the ones
+        they hold and the space is freed (`cache.openfiles`)."""
+        if self.deletions is not None:
+            self.deletions[0] += 1
 
     def _make_room(self) -> None:
         limit = self.limit()
@@ -175,6 +188,7 @@ class Agent:
         path = block_path(self.config.dirs, oid, index)
         if repair and name not in self.inflight:
             path.unlink(missing_ok=True)
+            self._deleted()
             self._forget(name)
             self.stats["repairs"] += 1
         elif name in self.policy:

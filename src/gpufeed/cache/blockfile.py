@@ -2,7 +2,8 @@
 
 Readers (any process) only ever open published files: the agent writes a block to a temp file
 in the same cache dir and renames it into place, so a partial block is never visible. A reader
-that opened a block keeps valid bytes even if the agent unlinks it afterwards.
+that opened a block keeps valid bytes even if the agent unlinks it afterwards, which is what
+lets readers hold block files open between hits (`openfiles`).
 """
 
 from __future__ import annotations
@@ -15,25 +16,24 @@ from pathlib import Path
 from xxhash import xxh3_64_intdigest
 
 from gpufeed.cache.layout import CHUNK, HEAD_SIZE, SMALL_HEAD, SUM, BlockRef, CorruptBlock, encode, small_header, verify
+from gpufeed.cache.openfiles import OpenBlocks
 
 
-def read_one_chunk(path: str, length: int, header: bytes) -> memoryview:
-    """The data of a verified one-chunk block: one open, a pread of the header and one of the
-    data, then length, header and checksum compared. Every small file's hit runs this, so
-    it is flat. The data gets a bytes object of its own (`as_bytes` hands it out without a
-    copy): the second pread costs less than copying 100 KB out of one read."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        head = os.pread(fd, SMALL_HEAD, 0)
-        data = os.pread(fd, length, SMALL_HEAD)
-    finally:
-        os.close(fd)
+def read_one_chunk(files: OpenBlocks, path: str, length: int, header: bytes) -> memoryview:
+    """The data of a verified one-chunk block: a pread of the header and one of the data from
+    the held file, then length, header and checksum compared. Every small file's hit runs
+    this, so it is flat. The data gets a bytes object of its own (`as_bytes` hands it out
+    without a copy): the second pread costs less than copying 100 KB out of one read."""
+    held = files.held.get(path) or files.open(path)
+    head = os.pread(held.fd, SMALL_HEAD, 0)
+    data = os.pread(held.fd, length, SMALL_HEAD)
     if (
         len(data) != length
         or len(head) != SMALL_HEAD
         or not head.startswith(header)
         or xxh3_64_intdigest(data) != SUM.unpack_from(head, HEAD_SIZE)[0]
     ):
+        files.forget(path)
         raise CorruptBlock("header, length or checksum does not match")
     return memoryview(data)
 
@@ -47,36 +47,40 @@ def as_bytes(view: memoryview) -> bytes:
 def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
     """Bytes [start, end) of block `index` (offsets within the block). Raises FileNotFoundError
     on a miss and CorruptBlock when the file is damaged; with `ref.verify` the chunks read are
-    checked against their checksums. This is the cache hit path: one open, one or two preads,
-    so it is written with few calls."""
+    checked against their checksums. This is the cache hit path: one or two preads from the
+    held file, so it is written with few calls."""
     length = ref.object_size - index * ref.block_size
     if length > ref.block_size:
         length = ref.block_size
+    path = f"{ref.prefix}{index}"
     if length <= CHUNK and ref.verify:  # one chunk (every small object): two preads, no chunk arithmetic
-        return read_one_chunk(f"{ref.prefix}{index}", length, small_header(length))[start:end]
+        return read_one_chunk(ref.files, path, length, small_header(length))[start:end]
     head = HEAD_SIZE + 8 * (-(-length // CHUNK) or 1)
-    fd = os.open(f"{ref.prefix}{index}", os.O_RDONLY)
+    held = ref.files.held.get(path) or ref.files.open(path)
+    fd = held.fd
+    if not ref.verify:  # trust the bytes, not the length: a block of another size is damaged
+        if os.fstat(fd).st_size != head + length:
+            ref.files.forget(path)
+            raise CorruptBlock("wrong size")
+        return memoryview(os.pread(fd, end - start, head + start))
+    first = start // CHUNK
+    lo = first * CHUNK
+    hi = -(-end // CHUNK) * CHUNK
+    if hi > length:
+        hi = length
+    scratch = 2 * (end - start) < hi - lo
+    if lo == 0:
+        raw = _pread(fd, head + hi, 0, scratch)
+        header, chunks = raw[:head], raw[head:]
+    else:
+        header, chunks = memoryview(os.pread(fd, head, 0)), _pread(fd, hi - lo, head + lo, scratch)
     try:
-        if not ref.verify:  # trust the bytes, not the length: a block of another size is damaged
-            if os.fstat(fd).st_size != head + length:
-                raise CorruptBlock("wrong size")
-            return memoryview(os.pread(fd, end - start, head + start))
-        first = start // CHUNK
-        lo = first * CHUNK
-        hi = -(-end // CHUNK) * CHUNK
-        if hi > length:
-            hi = length
-        scratch = 2 * (end - start) < hi - lo
-        if lo == 0:
-            raw = _pread(fd, head + hi, 0, scratch)
-            header, chunks = raw[:head], raw[head:]
-        else:
-            header, chunks = memoryview(os.pread(fd, head, 0)), _pread(fd, hi - lo, head + lo, scratch)
-    finally:
-        os.close(fd)
-    if len(chunks) != hi - lo:
-        raise CorruptBlock("truncated")
-    verify(header, length, chunks, first)
+        if len(chunks) != hi - lo:
+            raise CorruptBlock("truncated")
+        verify(header, length, chunks, first)
+    except CorruptBlock:
+        ref.files.forget(path)
+        raise
     wanted = chunks[start - lo : end - lo]
     return memoryview(bytes(wanted)) if scratch else wanted
 

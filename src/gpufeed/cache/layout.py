@@ -16,6 +16,8 @@ from pathlib import Path
 
 import xxhash
 
+from gpufeed.cache.openfiles import OpenBlocks
+
 MAGIC = b"GFB1"
 CHUNK = 256 * 1024
 _HEAD = struct.Struct("<4sIQII")  # magic, header length, data length, chunk size, chunk count
@@ -108,6 +110,8 @@ class BlockRef:
     block_size: int
     object_size: int
     verify: bool
+    files: OpenBlocks
+    """The reading process's open block files of this cache."""
     small_header: bytes | None = None
     """For a verified object of one chunk (every small file): the fixed part of its block's
     header, so a hit compares bytes instead of unpacking (`blockfile.read_one_chunk`)."""
@@ -117,11 +121,12 @@ class BlockRef:
     """With `small_header`: the name its hits are reported by, `{oid}-0`, made once too."""
 
     @classmethod
-    def of(cls, dirs: tuple[Path, ...], oid: str, block_size: int, object_size: int, verify: bool) -> BlockRef:
+    def of(cls, dirs: tuple[Path, ...], oid: str, block_size: int, object_size: int, verify: bool, files: OpenBlocks) -> BlockRef:
         prefix = object_prefix(dirs, oid)
         if verify and 0 < object_size <= min(CHUNK, block_size):
-            return cls(oid, prefix, block_size, object_size, verify, small_header(object_size), f"{prefix}0", block_name(oid, 0))
-        return cls(oid, prefix, block_size, object_size, verify)
+            small = small_header(object_size), f"{prefix}0", block_name(oid, 0)
+            return cls(oid, prefix, block_size, object_size, verify, files, *small)
+        return cls(oid, prefix, block_size, object_size, verify, files)
 
     def path(self, index: int) -> str:
         return f"{self.prefix}{index}"
