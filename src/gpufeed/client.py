@@ -1,8 +1,8 @@
 """The read path: namespace path → (mount, key, pinned version) → blocks → cache hit or agent fetch.
 
 Every reader (Python API, CLI, fsspec, and later PyTorch datasets, FUSE, warmup, the
-benchmark) fetches bytes through `Client.read_range`. A hit is an open+pread of a published
-block file in this process, with no round trip; misses go to the node agent in one batched
+benchmark) fetches bytes through `Client.read_range`. A hit reads a published block file in
+this process, mapped and held open between hits (`cache.openfiles`), with no round trip; misses go to the node agent in one batched
 request; when the agent cannot cache (disk full, no agent) the bytes come from the source.
 """
 
@@ -22,9 +22,9 @@ from typing import TypeVar
 
 from gpufeed.agent.client import AgentClient, AgentUnavailable, HitReporter
 from gpufeed.agent.protocol import error_from
-from gpufeed.cache import blockfile
+from gpufeed.cache import blockfile, openfiles
 from gpufeed.cache.layout import BlockRef, CorruptBlock, block_length, block_name, block_path, object_id
-from gpufeed.cache.openfiles import OpenBlocks, capacity_for, deletion_counter
+from gpufeed.cache.openfiles import OpenBlocks
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing
 from gpufeed.meta import Mount
@@ -81,7 +81,6 @@ class Client:
         self.direct_bytes = 0
         """Of those, the bytes this process read from sources itself, not through the agent."""
         self.hits = HitReporter(self.agent)
-        self._record_hit = self.hits.record  # bound once: it runs on every hit
         weakref.finalize(self, self.hits.flush)
         self._warned: set[str] = set()
         self._session = f"reads-{os.getpid()}-{id(self):x}"
@@ -92,12 +91,10 @@ class Client:
         self._mounts_seen: list[Mount] | None = None
         self._generation_of: dict[str, int] = {}
         self._files: OpenBlocks | None = None
-        """Block files this client holds open between hits, once it knows the cache."""
+        """The block files this process holds open between hits, once it knows the cache."""
 
     def close(self) -> None:
         self.hits.flush()
-        if self._files is not None:
-            self._files.close()
         self.agent.close()
         self.namespace.close()
 
@@ -113,7 +110,7 @@ class Client:
             self._warn_once("agent", f"{exc}; reading without the cache")
             return None
         if self._files is None:
-            self._files = OpenBlocks(deletion_counter(dirs[0], writable=False), capacity_for(self.settings.open_blocks))
+            self._files = openfiles.for_cache(dirs[0], self.settings.open_blocks)
             self.hits.every_check = self._files.check
         return dirs
 
@@ -203,7 +200,10 @@ class Client:
                 data = blockfile.read_one_chunk(ref.files, ref.small_path, ref.object_size, ref.small_header)
             except (FileNotFoundError, CorruptBlock):
                 return None
-            self._record_hit(ref.small_name)
+            hits = self.hits
+            hits.names.append(ref.small_name)  # HitReporter.record, without a call on every hit
+            if len(hits.names) >= hits.due:
+                hits.check()
             return data
         if end > ref.object_size or start >= end:
             return None
@@ -216,7 +216,7 @@ class Client:
             data = blockfile.read(ref, first, start - base, end - base)
         except (FileNotFoundError, CorruptBlock):
             return None
-        self._record_hit(block_name(ref.oid, first))
+        self.hits.record(block_name(ref.oid, first))
         return data
 
     def _read_misses(self, reads: Sequence[tuple[ObjectHandle, int, int]]) -> list[memoryview]:

@@ -56,8 +56,9 @@ class Settings:
     verify: `GPUFEED_VERIFY` = always | never: checksum every cached read, or trust the disk.
     agent_idle_timeout: seconds an auto-started agent waits with no clients before it exits
         (`GPUFEED_AGENT_IDLE_TIMEOUT`, 300).
-    open_blocks: block files a reading process keeps open between hits (`GPUFEED_OPEN_BLOCKS`,
-        4096; 0 opens and closes one on every hit), at most a quarter of its open-file limit.
+    open_blocks: block files a reading process keeps open and mapped between hits
+        (`GPUFEED_OPEN_BLOCKS`, 4096; 0 opens and closes one on every hit), at most a quarter of
+        its open-file limit.
     """
 
     home: Path

@@ -3,34 +3,41 @@ evicted or cleared blocks free their space while the readers keep reading."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from gpufeed.agent.client import HIT_CHECK_EVERY, AgentClient
-from gpufeed.cache.openfiles import capacity_for
+from gpufeed.cache.openfiles import DELETIONS, capacity_for
 from gpufeed.client import Client
 from gpufeed.namespace import Namespace
 from tests.agent.test_agent import make_files
 
 
 def block_fds() -> list[str]:
-    """What this process's open descriptors under a cache's blocks dir point to."""
+    """What this process's open descriptors under this test's cache point to."""
+    blocks = os.path.join(os.environ["GPUFEED_HOME"], "cache", "blocks")
     links = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if "/blocks/" in target:
+        if target.startswith(blocks):
             links.append(target)
     return links
 
 
 def deleted(links: list[str]) -> list[str]:
     return [link for link in links if link.endswith(" (deleted)")]
+
+
+REFETCH = "import gpufeed; [gpufeed.read(f.path) for f in gpufeed.ls('/data')]"
 
 
 @pytest.fixture
@@ -45,15 +52,13 @@ def read_all(client: Client, files: dict[str, bytes], names: list[str] | None = 
         assert client.read(f"/data/{name}") == files[name]
 
 
-def test_a_reader_holds_at_most_its_limit(files: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_process_holds_at_most_its_limit_however_many_clients(files: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUFEED_OPEN_BLOCKS", "5")
-    client = Client()
     before = len(block_fds())
-    for _ in range(2):
+    clients = [Client(), Client()]
+    for client in clients * 2:
         read_all(client, files)
     assert len(block_fds()) - before == 5
-    client.close()
-    assert len(block_fds()) == before
 
 
 def test_a_cleared_cache_is_let_go_at_the_next_open(files: dict[str, bytes]) -> None:
@@ -64,21 +69,48 @@ def test_a_cleared_cache_is_let_go_at_the_next_open(files: dict[str, bytes]) -> 
     assert len(deleted(block_fds())) == len(held), "held until this reader looks"
     read_all(client, files, [last])  # a file it never opened: opening it looks
     assert deleted(block_fds()) == []
-    client.close()
 
 
 def test_a_reader_that_only_hits_lets_go_within_a_few_dozen_hits(files: dict[str, bytes]) -> None:
-    reader, other = Client(), Client()
+    reader = Client()
     read_all(reader, files)
     AgentClient(reader.settings).request({"op": "clear"})
-    read_all(other, files)  # the blocks are back, as new files; the reader still holds the old
+    other = subprocess.run([sys.executable, "-c", REFETCH], capture_output=True, text=True)
+    assert other.returncode == 0, other.stderr  # the blocks are back, as new files; the reader holds the old
     assert len(deleted(block_fds())) >= len(files)
     names = sorted(files)
     for i in range(HIT_CHECK_EVERY):
         read_all(reader, files, [names[i % len(names)]])  # hits on held (deleted) files: right bytes
     assert deleted(block_fds()) == []
-    reader.close()
-    other.close()
+
+
+def test_a_forked_child_lets_go_of_the_parents_files_at_once(files: dict[str, bytes]) -> None:
+    client = Client()
+    read_all(client, files)
+    held = len(block_fds())
+    assert held >= len(files)
+    out, into = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.write(into, str(len(block_fds())).encode())
+        os._exit(0)
+    os.close(into)
+    assert os.read(out, 100) == b"0"
+    os.close(out)
+    os.waitpid(child, 0)
+    assert len(block_fds()) == held, "the parent keeps its own"
+    del client
+    assert block_fds() == [], "and lets go when no client reads the cache any more"
+
+
+def test_a_wiped_count_makes_readers_hold_nothing(files: dict[str, bytes], gpufeed_home: Path) -> None:
+    client = Client()
+    read_all(client, files)
+    (gpufeed_home / "cache" / DELETIONS).unlink()  # as when the cache dir is wiped under a reader
+    for _ in range(HIT_CHECK_EVERY):
+        read_all(client, files, ["00000.bin"])
+    read_all(client, files)
+    assert block_fds() == []
 
 
 def test_the_limit_leaves_most_descriptors_to_the_program() -> None:
@@ -89,3 +121,17 @@ def test_the_limit_leaves_most_descriptors_to_the_program() -> None:
         assert capacity_for(10) == 10
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_hit_is_a_view_of_the_mapped_file_and_outlives_its_eviction(files: dict[str, bytes]) -> None:
+    client = Client()
+    handle = client.handle("/data/00001.bin")
+    client.read_range(handle, 0, handle.size)  # a miss: the agent fetches, this process maps it
+    view = client.read_range(handle, 100, 3000)
+    assert isinstance(view.obj, mmap.mmap) and view == files["00001.bin"][100:3000]
+    AgentClient(client.settings).request({"op": "clear"})
+    read_all(client, files, ["00002.bin"])  # opening a file looks, and lets go of the rest
+    assert view == files["00001.bin"][100:3000], "a view handed out keeps its bytes"
+    assert len(deleted(block_fds())) == 1, "and the deleted file's space, until it is dropped"
+    del view
+    assert deleted(block_fds()) == []

@@ -13,7 +13,7 @@ from gpufeed.cache.openfiles import OpenBlocks
 
 
 def ref(tmp_path: Path, size: int, verify: bool = True, block_size: int = 4 << 20) -> BlockRef:
-    return BlockRef.of((tmp_path,), object_id("src", "key", "v1", block_size, True), block_size, size, verify, OpenBlocks(None, 0))
+    return BlockRef.of((tmp_path,), object_id("src", "key", "v1", block_size, True), block_size, size, verify, OpenBlocks(Path("/nonexistent"), 0))
 
 
 def test_round_trip_any_range(tmp_path: Path) -> None:

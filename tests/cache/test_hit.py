@@ -11,11 +11,11 @@ import pytest
 
 from gpufeed.cache import blockfile
 from gpufeed.cache.layout import HEAD_SIZE, SMALL_HEAD, BlockRef, CorruptBlock, object_id
-from gpufeed.cache.openfiles import OpenBlocks
+from gpufeed.cache.openfiles import DeletionCounter, OpenBlocks
 
 
 def published(root: Path, data: bytes) -> BlockRef:
-    r = BlockRef.of((root,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, len(data), True, OpenBlocks(None, 0))
+    r = BlockRef.of((root,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, len(data), True, OpenBlocks(Path("/nonexistent"), 0))
     blockfile.publish(Path(r.path(0)), data)
     return r
 
@@ -39,14 +39,14 @@ def test_reads_any_range(tmp_path: Path, size: int) -> None:
 
 
 def test_missing_block_is_file_not_found(tmp_path: Path) -> None:
-    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, 10, True, OpenBlocks(None, 0))
+    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, 10, True, OpenBlocks(Path("/nonexistent"), 0))
     with pytest.raises(FileNotFoundError) as caught:
         blockfile.read(r, 0, 0, 10)
     assert caught.value.filename == r.path(0)
 
 
 def test_a_read_error_is_an_os_error_not_a_corrupt_block(tmp_path: Path) -> None:
-    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, 10, True, OpenBlocks(None, 0))
+    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, 10, True, OpenBlocks(Path("/nonexistent"), 0))
     os.makedirs(r.path(0))
     with pytest.raises(IsADirectoryError):
         blockfile.read(r, 0, 0, 10)
@@ -96,6 +96,25 @@ def test_a_whole_small_object_is_handed_out_without_a_copy(tmp_path: Path) -> No
 
 def test_only_verified_one_chunk_objects_take_the_small_path(tmp_path: Path) -> None:
     oid = object_id("src", "key", "v1", 4 << 20, True)
-    assert BlockRef.of((tmp_path,), oid, 4 << 20, 256 * 1024 + 1, True, OpenBlocks(None, 0)).small_header is None
-    assert BlockRef.of((tmp_path,), oid, 4 << 20, 1000, False, OpenBlocks(None, 0)).small_header is None
-    assert BlockRef.of((tmp_path,), oid, 4096, 5000, True, OpenBlocks(None, 0)).small_header is None
+    assert BlockRef.of((tmp_path,), oid, 4 << 20, 256 * 1024 + 1, True, OpenBlocks(Path("/nonexistent"), 0)).small_header is None
+    assert BlockRef.of((tmp_path,), oid, 4 << 20, 1000, False, OpenBlocks(Path("/nonexistent"), 0)).small_header is None
+    assert BlockRef.of((tmp_path,), oid, 4096, 5000, True, OpenBlocks(Path("/nonexistent"), 0)).small_header is None
+
+
+@pytest.mark.parametrize("size", [100_000, 600_000], ids=["one chunk", "three chunks"])
+def test_a_held_file_found_damaged_gives_way_to_its_repair(tmp_path: Path, size: int) -> None:
+    """A reader holding a block file that a repair has replaced since reads the replacement;
+    one holding a file still damaged gets a CorruptBlock and holds it no more."""
+    DeletionCounter.create(tmp_path)
+    files = OpenBlocks(tmp_path, 10)
+    data = os.urandom(size)
+    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, size, True, files)
+    blockfile.publish(Path(r.path(0)), data)
+    assert blockfile.read(r, 0, 0, size) == data and r.path(0) in files.held
+    flip(r.path(0), SMALL_HEAD + 5)  # the held file is damaged in place...
+    blockfile.publish(Path(r.path(0)), data)  # ...and the agent's repair renamed a new one over it
+    assert blockfile.read(r, 0, 0, size) == data
+    flip(r.path(0), SMALL_HEAD + 5)
+    with pytest.raises(CorruptBlock):
+        blockfile.read(r, 0, 0, size)
+    assert r.path(0) not in files.held

@@ -20,10 +20,11 @@ from gpufeed import errors
 
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 64 << 20
-VERSION = 2
+VERSION = 3
 """What the agent and its clients must agree on; the agent says it in `hello`. Raise it with
-any change a running agent of the last release would misread (2: one-way messages, hit
-reports as one string of names)."""
+any change a running agent of the last release would misread or not do (2: one-way messages,
+hit reports as one string of names; 3: the agent counts its deletions of block files, which
+readers holding files open rely on)."""
 
 
 def address(cache_dir: Path) -> str:

@@ -32,7 +32,7 @@ from gpufeed.agent import protocol
 from gpufeed.cache import blockfile
 from gpufeed.cache.eviction import S3Fifo
 from gpufeed.cache.layout import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, block_length, block_name, block_path, object_id
-from gpufeed.cache.openfiles import deletion_counter
+from gpufeed.cache.openfiles import DeletionCounter
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError
 from gpufeed.sources import Source, open_source
@@ -47,6 +47,9 @@ PIN_FRACTION = 0.5  # prefetch stops while pinned blocks fill this much of the c
 HIGH_WATERMARK = 0.95
 LOW_WATERMARK = 0.85
 FULL_BACKOFF_S = 5.0
+DISK_CHECK_S = 2.0
+"""How often the agent asks the cache filesystems for free space; in between, its own
+publishes and evictions are what changes."""
 FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 MAX_BLOCKS_PER_REQUEST = 65536
 _PEER = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -112,9 +115,11 @@ class Agent:
         self.pinned: dict[str, str] = {}
         self.pinned_bytes = 0
         self.latency_s = 0.02
-        self.deletions = deletion_counter(config.primary, writable=True)
+        self.deletions = DeletionCounter.create(config.primary)
         """The count readers watch to let go of deleted block files; None when the cache dir
         cannot hold it (full), and then readers hold none."""
+        self._disk_cap = 0
+        self._disk_checked = -DISK_CHECK_S
         self._stop: asyncio.Event | None = None
         self._fetch_slots: asyncio.Semaphore | None = None
         self._prefetch_slots: asyncio.Semaphore | None = None
@@ -139,12 +144,18 @@ class Agent:
 
     def limit(self) -> int:
         """The quota, bounded by what the cache filesystems can hold while keeping free_ratio
-        of each free."""
-        room = 0.0
-        for device in {os.stat(d).st_dev: d for d in self.config.dirs}.values():
-            st = os.statvfs(device)
-            room += st.f_bavail * st.f_frsize - self.config.free_ratio * st.f_blocks * st.f_frsize
-        return max(0, min(self.config.cache_size, int(self.policy.bytes + room)))
+        of each free. The disk is asked at most every DISK_CHECK_S: right after an eviction,
+        readers may still hold the evicted files (`cache.openfiles`), and a disk that does
+        not show their space free yet must not make every publish evict again."""
+        now = time.monotonic()
+        if now - self._disk_checked >= DISK_CHECK_S:
+            room = 0.0
+            for device in {os.stat(d).st_dev: d for d in self.config.dirs}.values():
+                st = os.statvfs(device)
+                room += st.f_bavail * st.f_frsize - self.config.free_ratio * st.f_blocks * st.f_frsize
+            self._disk_cap = int(self.policy.bytes + room)
+            self._disk_checked = now
+        return max(0, min(self.config.cache_size, self._disk_cap))
 
     def _evict_to(self, goal: int) -> int:
         freed = 0
@@ -161,8 +172,8 @@ class Agent:
     def _deleted(self) -> None:
         """Tell readers that block files are gone, after the unlinks, so they close the ones
         they hold and the space is freed (`cache.openfiles`)."""
-        if self.deletions is not None:
-            self.deletions[0] += 1
+        if self.deletions is not None and not self.deletions.bump():
+            self.deletions = None
 
     def _make_room(self) -> None:
         limit = self.limit()

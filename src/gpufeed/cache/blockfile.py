@@ -16,30 +16,46 @@ from pathlib import Path
 from xxhash import xxh3_64_intdigest
 
 from gpufeed.cache.layout import CHUNK, HEAD_SIZE, SMALL_HEAD, SUM, BlockRef, CorruptBlock, encode, small_header, verify
-from gpufeed.cache.openfiles import OpenBlocks
+from gpufeed.cache.openfiles import Held, OpenBlocks
 
 
 def read_one_chunk(files: OpenBlocks, path: str, length: int, header: bytes) -> memoryview:
-    """The data of a verified one-chunk block: a pread of the header and one of the data from
-    the held file, then length, header and checksum compared. Every small file's hit runs
-    this, so it is flat. The data gets a bytes object of its own (`as_bytes` hands it out
-    without a copy): the second pread costs less than copying 100 KB out of one read."""
-    held = files.held.get(path) or files.open(path)
-    head = os.pread(held.fd, SMALL_HEAD, 0)
-    data = os.pread(held.fd, length, SMALL_HEAD)
-    if (
-        len(data) != length
-        or len(head) != SMALL_HEAD
-        or not head.startswith(header)
-        or xxh3_64_intdigest(data) != SUM.unpack_from(head, HEAD_SIZE)[0]
-    ):
+    """The data of a verified one-chunk block, with its length, header and checksum compared.
+    Every small file's hit runs this, so it is flat. A held file's data is verified where it
+    lies in the mapping and handed out as a slice of it; a file not held is read with two
+    preads, so its data is a bytes object of its own (`as_bytes` hands either out as bytes)."""
+    held = files.held.get(path)
+    opened = held is None
+    if held is None:
+        held = files.open(path)
+    mapped = held.mapped
+    if mapped is not None:
+        data = mapped[SMALL_HEAD:]
+        # the size first: touching a mapping past the end of a file shrunk since would fault
+        good = len(data) == length and held.map.size() == len(mapped)  # type: ignore[union-attr]
+        if good and held.checksum is None and mapped[:HEAD_SIZE] == header:
+            held.checksum = SUM.unpack_from(mapped, HEAD_SIZE)[0]  # the file never changes
+        good = good and xxh3_64_intdigest(data) == held.checksum
+    else:
+        head = os.pread(held.fd, SMALL_HEAD, 0)
+        data = memoryview(os.pread(held.fd, length, SMALL_HEAD))
+        good = (
+            len(data) == length
+            and len(head) == SMALL_HEAD
+            and head.startswith(header)
+            and xxh3_64_intdigest(data) == SUM.unpack_from(head, HEAD_SIZE)[0]
+        )
+    if not good:
         files.forget(path)
+        if not opened:  # a repair may have replaced the damaged file since: read the one there
+            return read_one_chunk(files, path, length, header)
         raise CorruptBlock("header, length or checksum does not match")
-    return memoryview(data)
+    return data
 
 
 def as_bytes(view: memoryview) -> bytes:
-    """`view` as bytes, without a copy when it is a whole bytes object (every small file)."""
+    """`view` as bytes, without a copy when it is a whole bytes object (a small file read
+    without holding it); a slice of a held file's mapping is copied out."""
     whole = view.obj
     return whole if type(whole) is bytes and len(whole) == view.nbytes else bytes(view)
 
@@ -47,8 +63,8 @@ def as_bytes(view: memoryview) -> bytes:
 def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
     """Bytes [start, end) of block `index` (offsets within the block). Raises FileNotFoundError
     on a miss and CorruptBlock when the file is damaged; with `ref.verify` the chunks read are
-    checked against their checksums. This is the cache hit path: one or two preads from the
-    held file, so it is written with few calls."""
+    checked against their checksums. This is the cache hit path, so it is written with few
+    calls."""
     length = ref.object_size - index * ref.block_size
     if length > ref.block_size:
         length = ref.block_size
@@ -56,11 +72,38 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
     if length <= CHUNK and ref.verify:  # one chunk (every small object): two preads, no chunk arithmetic
         return read_one_chunk(ref.files, path, length, small_header(length))[start:end]
     head = HEAD_SIZE + 8 * (-(-length // CHUNK) or 1)
-    held = ref.files.held.get(path) or ref.files.open(path)
-    fd = held.fd
-    if not ref.verify:  # trust the bytes, not the length: a block of another size is damaged
+    files = ref.files
+    held = files.held.get(path)
+    opened = held is None
+    if held is None:
+        held = files.open(path)
+    try:
+        if held.map is not None:
+            return _read_mapped(held, ref.verify, head, length, start, end)
+        return _read_unmapped(held.fd, ref.verify, head, length, start, end)
+    except CorruptBlock:
+        files.forget(path)
+        if not opened:  # a repair may have replaced the damaged file since: read the one there
+            return read(ref, index, start, end)
+        raise
+
+
+def _read_mapped(held: Held, checked: bool, head: int, length: int, start: int, end: int) -> memoryview:
+    """A slice of a held block's mapping, its chunks verified in place."""
+    mapped = held.mapped
+    assert held.map is not None and mapped is not None
+    if len(mapped) != head + length or held.map.size() != len(mapped):  # before touching it
+        raise CorruptBlock("wrong size")
+    if checked:
+        first = start // CHUNK
+        lo, hi = first * CHUNK, min(length, -(-end // CHUNK) * CHUNK)
+        verify(mapped[:head], length, mapped[head + lo : head + hi], first)
+    return mapped[head + start : head + end]
+
+
+def _read_unmapped(fd: int, checked: bool, head: int, length: int, start: int, end: int) -> memoryview:
+    if not checked:  # trust the bytes, not the length: a block of another size is damaged
         if os.fstat(fd).st_size != head + length:
-            ref.files.forget(path)
             raise CorruptBlock("wrong size")
         return memoryview(os.pread(fd, end - start, head + start))
     first = start // CHUNK
@@ -74,13 +117,9 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
         header, chunks = raw[:head], raw[head:]
     else:
         header, chunks = memoryview(os.pread(fd, head, 0)), _pread(fd, hi - lo, head + lo, scratch)
-    try:
-        if len(chunks) != hi - lo:
-            raise CorruptBlock("truncated")
-        verify(header, length, chunks, first)
-    except CorruptBlock:
-        ref.files.forget(path)
-        raise
+    if len(chunks) != hi - lo:
+        raise CorruptBlock("truncated")
+    verify(header, length, chunks, first)
     wanted = chunks[start - lo : end - lo]
     return memoryview(bytes(wanted)) if scratch else wanted
 

@@ -1,12 +1,23 @@
-"""Block files a reader keeps open between hits, and the counter that tells it when to let go.
+"""Block files a reading process keeps open and mapped between hits, and the count that tells
+it when to let go.
 
-Opening and closing a block file costs more than a tenth of a warm 100 KB hit, so a process
-keeps the files it read open (`OpenBlocks`). Block files never change once published, so a
-held file always has the right bytes, even after the agent deleted it; but a deleted file's
-disk space is freed only when the last holder closes it. The agent therefore counts its
-deletions (eviction, `cache clear`, repair) in a small shared file, `DELETIONS`, and a
-reader that sees the count move closes everything it holds at its next hit. A process that
-stops reading keeps its files (at most `capacity`) until it reads again or exits.
+Opening, reading into a fresh buffer and closing a block file cost more than the 100 KB hit
+itself, so a process keeps the files it read mapped (`OpenBlocks`, one per cache per process):
+a hit hashes the bytes where they lie in the page cache and hands out a view of them, with no
+system call but one fstat. Block files never change once published, so a held file always has
+the right bytes, even after the agent deleted it; but a deleted file's disk space is freed
+only when the last holder lets go. The agent therefore counts its deletions (eviction,
+`cache clear`, repair) in a small file, `DELETIONS`, and a reader that sees the count move lets
+go of everything it holds: when it opens a file, and every few dozen hits. A process that
+stops reading keeps its files (at most `capacity`) until it reads again or exits; a forked
+child lets go of its copies at once.
+
+What mapping costs, as for any memory-mapped data (Arrow, numpy.memmap): the pages a reader
+touched count in its RSS (they are the shared page cache, not extra memory), and a file
+truncated behind gpufeed's back while a read of it is in flight would fault (SIGBUS).
+gpufeed never truncates a published block, and every read checks the file's size before it
+touches the mapping, so a block damaged between reads is a CorruptBlock, repaired.
+`GPUFEED_OPEN_BLOCKS=0` holds and maps nothing: every hit is an open, two preads and a close.
 """
 
 from __future__ import annotations
@@ -15,49 +26,102 @@ import mmap
 import os
 import resource
 import threading
+import weakref
 from pathlib import Path
 
 DELETIONS = "deletions"
-"""File in the primary cache dir: 8 bytes, the number of times the agent deleted block files."""
+"""File in the primary cache dir: the number of times the agent deleted block files, 8 bytes."""
 
 
-def deletion_counter(primary: Path, *, writable: bool) -> memoryview | None:
-    """The shared deletion count as a one-element memoryview of an unsigned 64-bit integer,
-    or None when the file cannot be had (the agent: a full disk; a reader: no agent ever ran
-    here). The agent writes the 8 bytes before mapping them, so a full disk fails here with
-    ENOSPC instead of faulting later when a page is first written."""
-    path = primary / DELETIONS
-    try:
-        fd = os.open(path, (os.O_RDWR | os.O_CREAT) if writable else os.O_RDONLY, 0o600)
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_size < 8:
-            if not writable:
-                return None
-            os.pwrite(fd, bytes(8), 0)
-        mapped = mmap.mmap(fd, 8, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return memoryview(mapped).cast("Q")
+class DeletionCounter:
+    """The deletion count, read and written with pread/pwrite: a write to a full copy-on-write
+    disk then fails with an error instead of a mapped page faulting with SIGBUS."""
+
+    def __init__(self, path: Path, fd: int, value: int) -> None:
+        self.path = path
+        self._fd = fd
+        self.value = value
+
+    @classmethod
+    def create(cls, primary: Path) -> DeletionCounter | None:
+        """The agent's counter, kept from its last run; None when the cache dir cannot hold it
+        (then no file is left behind, and readers hold nothing)."""
+        path = primary / DELETIONS
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        data = os.pread(fd, 8, 0)
+        if len(data) == 8:
+            return cls(path, fd, int.from_bytes(data, "little"))
+        counter = cls(path, fd, 0)
+        return counter if counter.bump() else None
+
+    @classmethod
+    def watch(cls, primary: Path) -> DeletionCounter | None:
+        """A reader's view; None when there is no count to watch."""
+        try:
+            fd = os.open(primary / DELETIONS, os.O_RDONLY)
+        except OSError:
+            return None
+        counter = cls(primary / DELETIONS, fd, 0)
+        value = counter.read()
+        if value is None:
+            counter.close()
+            return None
+        counter.value = value
+        return counter
+
+    def read(self) -> int | None:
+        """The count now; None once the file is gone (the cache dir was wiped, or the agent
+        could not write it and removed it)."""
+        data = os.pread(self._fd, 8, 0)
+        if len(data) != 8 or os.fstat(self._fd).st_nlink == 0:
+            return None
+        return int.from_bytes(data, "little")
+
+    def bump(self) -> bool:
+        """Count one more deletion; False when the count cannot be written, and then the file is
+        removed, which tells readers to stop holding files."""
+        try:
+            os.pwrite(self._fd, (self.value + 1).to_bytes(8, "little"), 0)
+        except OSError:
+            self.path.unlink(missing_ok=True)
+            self.close()
+            return False
+        self.value += 1
+        return True
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 class Held:
-    """One open block file; closed when the last reference goes, so a thread in the middle
-    of a pread keeps it open although another thread let it go."""
+    """One open block file: a descriptor to pread from, or, when held, the whole file mapped.
+    Closed when the last reference goes, so a thread in the middle of a read keeps it open
+    although another thread let it go."""
 
-    __slots__ = ("fd",)
+    __slots__ = ("fd", "map", "mapped", "checksum")
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, mapped: mmap.mmap | None = None) -> None:
         self.fd = fd
+        """-1 when mapped: the mapping keeps a descriptor of its own (one per file, not two)."""
+        self.map = mapped
+        """Its `size()` is the file's size now (an fstat), checked before the mapping is touched."""
+        self.mapped = memoryview(mapped) if mapped is not None else None
+        """Hits verify the bytes where they lie and hand out slices of this, with no copy. A
+        slice keeps the mapping alive, not the `Held`."""
+        self.checksum: int | None = None
+        """A one-chunk block's checksum, once a read has checked its header: the file never
+        changes, so later reads verify their data against it and skip the header (a header
+        damaged since changes no data byte)."""
 
     def __del__(self, close=os.close) -> None:  # type: ignore[no-untyped-def]
-        try:
-            close(self.fd)
-        except OSError:
-            pass  # the program closed every descriptor itself (a daemon after fork)
+        if self.fd >= 0:
+            try:
+                close(self.fd)
+            except OSError:
+                pass  # the program closed every descriptor itself (a daemon after fork)
 
 
 def capacity_for(wanted: int) -> int:
@@ -68,48 +132,94 @@ def capacity_for(wanted: int) -> int:
 
 
 class OpenBlocks:
-    """Up to `capacity` open block files of one cache, the oldest let go first. Without the
-    agent's deletion counter nothing is kept: a held file could pin deleted blocks' space.
+    """Up to `capacity` open block files of one cache, the oldest let go first. Nothing is held
+    without the agent's deletion count: a held file could keep deleted blocks' space.
 
-    A hit looks its file up in `held` itself and calls `open` on a miss, and the reader calls
-    `check` every few dozen hits: no method call or counter read on each hit."""
+    A hit looks its file up in `held` itself and calls `open` on a miss; the reader calls
+    `check` every few dozen hits. So a hit makes no extra call and no extra system call."""
 
-    def __init__(self, deletions: memoryview | None, capacity: int) -> None:
-        self._deletions = deletions
-        self.capacity = capacity if deletions is not None else 0
-        self._seen = deletions[0] if deletions is not None else 0
+    def __init__(self, primary: Path, capacity: int) -> None:
+        self._counter = DeletionCounter.watch(primary)
+        self.capacity = capacity if self._counter is not None else 0
         self.held: dict[str, Held] = {}
         """Path → open file. Keep a looked-up `Held` referenced while reading from its fd."""
         self._lock = threading.Lock()
 
     def open(self, path: str) -> Held:
-        """Open `path` (FileNotFoundError on a miss) and hold it, room and counter permitting."""
+        """Open `path` (FileNotFoundError on a miss) and hold it, mapped. When nothing is held
+        (capacity 0) nothing is mapped either: a mapping used once costs more than a read."""
         if not self.capacity:
             return Held(os.open(path, os.O_RDONLY))
         self.check()
-        assert self._deletions is not None
-        before = self._deletions[0]
-        held = Held(os.open(path, os.O_RDONLY))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            held = Held(-1, mmap.mmap(fd, 0, prot=mmap.PROT_READ))
+        except ValueError:  # an empty (damaged) file cannot be mapped
+            held, fd = Held(fd), -1
+        finally:
+            if fd >= 0:
+                os.close(fd)
         with self._lock:
-            if self._deletions[0] == before:  # else the file may be one the agent just deleted
-                if len(self.held) >= self.capacity:
-                    del self.held[next(iter(self.held))]
-                self.held[path] = held
+            if len(self.held) >= self.capacity:
+                del self.held[next(iter(self.held))]
+            self.held[path] = held
         return held
 
     def check(self) -> None:
-        """Let go of every held file if the agent deleted block files since the last look."""
-        if self._deletions is not None and self._deletions[0] != self._seen:
-            with self._lock:
-                self._seen = self._deletions[0]
-                self.held = {}
+        """Let go of every held file if the agent deleted block files since the last look; hold
+        nothing from now on if its count is gone."""
+        counter = self._counter
+        if counter is None:
+            return
+        value = counter.read()
+        if value == counter.value:
+            return
+        if value is None:
+            self.capacity = 0
+            self._counter = None
+            counter.close()
+        else:
+            counter.value = value
+        self.close()
 
     def close(self) -> None:
         """Let go of every held file (a thread mid-read keeps its own until done)."""
         with self._lock:
-            self.held = {}
+            dropped, self.held = self.held, {}
+        dropped.clear()  # closes them, outside the lock: each close may free a file's space
 
     def forget(self, path: str) -> None:
-        """Stop holding `path` (found damaged: its replacement is a new file)."""
+        """Stop holding `path` (found damaged: a repair replaces it with a new file)."""
         with self._lock:
             self.held.pop(path, None)
+
+    def _after_fork_in_child(self) -> None:
+        """The child's copies of the parent's files: close them now, while the numbers are
+        still theirs, and start unlocked."""
+        self._lock = threading.Lock()
+        self.held = {}
+
+
+_by_cache: weakref.WeakValueDictionary[Path, OpenBlocks] = weakref.WeakValueDictionary()
+_registry = threading.Lock()
+
+
+def for_cache(primary: Path, wanted: int) -> OpenBlocks:
+    """This process's open files of the cache at `primary`: one set however many clients the
+    process makes, so the limit is the process's (the first client's setting decides it). It
+    lives while a client reads that cache."""
+    with _registry:
+        files = _by_cache.get(primary)
+        if files is None:
+            files = _by_cache[primary] = OpenBlocks(primary, capacity_for(wanted))
+        return files
+
+
+def _after_fork_in_child() -> None:
+    global _registry
+    _registry = threading.Lock()
+    for files in list(_by_cache.values()):
+        files._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
