@@ -21,24 +21,26 @@ from gpufeed.cache.openfiles import Held, OpenBlocks
 
 def read_one_chunk(files: OpenBlocks, path: str, length: int, header: bytes) -> memoryview:
     """The data of a verified one-chunk block, with its length, header and checksum compared.
-    Every small file's hit runs this, so it is flat. A held file's data is verified where it
-    lies in the mapping and handed out as a slice of it; a file not held is read with two
-    preads, so its data is a bytes object of its own (`as_bytes` hands either out as bytes)."""
+    Every small file's hit runs this, so it is flat. A held file's data is copied out of its
+    mapping and the copy verified, so what is handed out is what was checked; a file not held
+    is read with two preads. Either way the data is a bytes object of its own (`as_bytes`
+    hands it out without another copy)."""
     held = files.held.get(path)
     opened = held is None
     if held is None:
         held = files.open(path)
     mapped = held.mapped
     if mapped is not None:
-        data = mapped[SMALL_HEAD:]
         # the size first: touching a mapping past the end of a file shrunk since would fault
-        good = len(data) == length and held.map.size() == len(mapped)  # type: ignore[union-attr]
+        good = len(mapped) == SMALL_HEAD + length and held.map.size() == len(mapped)  # type: ignore[union-attr]
         if good and held.checksum is None and mapped[:HEAD_SIZE] == header:
             held.checksum = SUM.unpack_from(mapped, HEAD_SIZE)[0]  # the file never changes
-        good = good and xxh3_64_intdigest(data) == held.checksum
+        if good:
+            data = bytes(mapped[SMALL_HEAD:])
+            good = xxh3_64_intdigest(data) == held.checksum
     else:
         head = os.pread(held.fd, SMALL_HEAD, 0)
-        data = memoryview(os.pread(held.fd, length, SMALL_HEAD))
+        data = os.pread(held.fd, length, SMALL_HEAD)
         good = (
             len(data) == length
             and len(head) == SMALL_HEAD
@@ -50,12 +52,11 @@ def read_one_chunk(files: OpenBlocks, path: str, length: int, header: bytes) -> 
         if not opened:  # a repair may have replaced the damaged file since: read the one there
             return read_one_chunk(files, path, length, header)
         raise CorruptBlock("header, length or checksum does not match")
-    return data
+    return memoryview(data)
 
 
 def as_bytes(view: memoryview) -> bytes:
-    """`view` as bytes, without a copy when it is a whole bytes object (a small file read
-    without holding it); a slice of a held file's mapping is copied out."""
+    """`view` as bytes, without a copy when it is a whole bytes object (every small file)."""
     whole = view.obj
     return whole if type(whole) is bytes and len(whole) == view.nbytes else bytes(view)
 
@@ -89,7 +90,8 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
 
 
 def _read_mapped(held: Held, checked: bool, head: int, length: int, start: int, end: int) -> memoryview:
-    """A slice of a held block's mapping, its chunks verified in place."""
+    """The wanted bytes copied out of a held block's mapping, the chunks they lie in verified
+    in place first (hashing a whole 256 KiB chunk where it lies costs less than copying it)."""
     mapped = held.mapped
     assert held.map is not None and mapped is not None
     if len(mapped) != head + length or held.map.size() != len(mapped):  # before touching it
@@ -98,7 +100,7 @@ def _read_mapped(held: Held, checked: bool, head: int, length: int, start: int, 
         first = start // CHUNK
         lo, hi = first * CHUNK, min(length, -(-end // CHUNK) * CHUNK)
         verify(mapped[:head], length, mapped[head + lo : head + hi], first)
-    return mapped[head + start : head + end]
+    return memoryview(bytes(mapped[head + start : head + end]))
 
 
 def _read_unmapped(fd: int, checked: bool, head: int, length: int, start: int, end: int) -> memoryview:

@@ -1,23 +1,25 @@
 """Block files a reading process keeps open and mapped between hits, and the count that tells
 it when to let go.
 
-Opening, reading into a fresh buffer and closing a block file cost more than the 100 KB hit
-itself, so a process keeps the files it read mapped (`OpenBlocks`, one per cache per process):
-a hit hashes the bytes where they lie in the page cache and hands out a view of them, with no
-system call but one fstat. Block files never change once published, so a held file always has
-the right bytes, even after the agent deleted it; but a deleted file's disk space is freed
-only when the last holder lets go. The agent therefore counts its deletions (eviction,
-`cache clear`, repair) in a small file, `DELETIONS`, and a reader that sees the count move lets
-go of everything it holds: when it opens a file, and every few dozen hits. A process that
-stops reading keeps its files (at most `capacity`) until it reads again or exits; a forked
-child lets go of its copies at once.
+Opening, reading and closing a block file cost more than half of a warm 100 KB hit, so a
+process keeps the files it read mapped (`OpenBlocks`, one per cache per process): a hit copies
+the bytes out of the page cache with no system call but one fstat, and verifies the copy. The
+mapping never leaves this module's callers: what readers get is a bytes object of its own.
 
-What mapping costs, as for any memory-mapped data (Arrow, numpy.memmap): the pages a reader
-touched count in its RSS (they are the shared page cache, not extra memory), and a file
-truncated behind gpufeed's back while a read of it is in flight would fault (SIGBUS).
-gpufeed never truncates a published block, and every read checks the file's size before it
-touches the mapping, so a block damaged between reads is a CorruptBlock, repaired.
-`GPUFEED_OPEN_BLOCKS=0` holds and maps nothing: every hit is an open, two preads and a close.
+Block files never change once published, so a held file always has the right bytes, even
+after the agent deleted it; but a deleted file's disk space is freed only when the last holder
+lets go. The agent therefore counts its deletions (eviction, `cache clear`, repair) in a small
+file, `DELETIONS`, and a reader that sees the count move lets go of everything it holds: when
+it opens a file, and every few dozen hits. A process that stops reading keeps its files (at
+most `capacity` and HELD_BYTES) until it reads again or exits; a forked child lets go of its
+copies at once.
+
+What mapping costs, as for any memory-mapped data: the pages a reader touched count in its RSS
+(they are the shared page cache, not extra memory), and a file truncated behind gpufeed's back
+during the copy would fault (SIGBUS). gpufeed never truncates a published block, and every
+read checks the file's size before it touches the mapping, so a block damaged between reads
+is a CorruptBlock, repaired. `GPUFEED_OPEN_BLOCKS=0` holds and maps nothing: every hit is an
+open, two preads and a close.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ import threading
 import weakref
 from pathlib import Path
 
+HELD_BYTES = 1 << 30
+"""Most bytes of block files one process holds per cache: what a process that stopped reading
+can keep of deleted blocks' disk space."""
 DELETIONS = "deletions"
 """File in the primary cache dir: the number of times the agent deleted block files, 8 bytes."""
 
@@ -109,8 +114,7 @@ class Held:
         self.map = mapped
         """Its `size()` is the file's size now (an fstat), checked before the mapping is touched."""
         self.mapped = memoryview(mapped) if mapped is not None else None
-        """Hits verify the bytes where they lie and hand out slices of this, with no copy. A
-        slice keeps the mapping alive, not the `Held`."""
+        """What hits copy from (and verify in place, for big blocks)."""
         self.checksum: int | None = None
         """A one-chunk block's checksum, once a read has checked its header: the file never
         changes, so later reads verify their data against it and skip the header (a header
@@ -132,8 +136,9 @@ def capacity_for(wanted: int) -> int:
 
 
 class OpenBlocks:
-    """Up to `capacity` open block files of one cache, the oldest let go first. Nothing is held
-    without the agent's deletion count: a held file could keep deleted blocks' space.
+    """Up to `capacity` open block files of one cache, and at most HELD_BYTES of them, the
+    oldest let go first. Nothing is held without the agent's deletion count: a held file could
+    keep deleted blocks' space.
 
     A hit looks its file up in `held` itself and calls `open` on a miss; the reader calls
     `check` every few dozen hits. So a hit makes no extra call and no extra system call."""
@@ -142,15 +147,17 @@ class OpenBlocks:
         self._counter = DeletionCounter.watch(primary)
         self.capacity = capacity if self._counter is not None else 0
         self.held: dict[str, Held] = {}
-        """Path → open file. Keep a looked-up `Held` referenced while reading from its fd."""
+        """Path → open file. Keep a looked-up `Held` referenced while reading from it."""
+        self._bytes = 0
         self._lock = threading.Lock()
+        self._checking = threading.Lock()
 
     def open(self, path: str) -> Held:
         """Open `path` (FileNotFoundError on a miss) and hold it, mapped. When nothing is held
         (capacity 0) nothing is mapped either: a mapping used once costs more than a read."""
+        self.check()
         if not self.capacity:
             return Held(os.open(path, os.O_RDONLY))
-        self.check()
         fd = os.open(path, os.O_RDONLY)
         try:
             held = Held(-1, mmap.mmap(fd, 0, prot=mmap.PROT_READ))
@@ -159,45 +166,56 @@ class OpenBlocks:
         finally:
             if fd >= 0:
                 os.close(fd)
+        size = len(held.mapped) if held.mapped is not None else 0
         with self._lock:
-            if len(self.held) >= self.capacity:
-                del self.held[next(iter(self.held))]
+            while self.held and (len(self.held) >= self.capacity or self._bytes + size > HELD_BYTES):
+                self._drop(next(iter(self.held)))
             self.held[path] = held
+            self._bytes += size
         return held
+
+    def _drop(self, path: str) -> None:
+        held = self.held.pop(path, None)
+        if held is not None and held.mapped is not None:
+            self._bytes -= len(held.mapped)
 
     def check(self) -> None:
         """Let go of every held file if the agent deleted block files since the last look; hold
-        nothing from now on if its count is gone."""
-        counter = self._counter
-        if counter is None:
+        nothing from now on if its count is gone. One thread looks at a time; the others go on."""
+        if self._counter is None or not self._checking.acquire(blocking=False):
             return
-        value = counter.read()
-        if value == counter.value:
-            return
-        if value is None:
-            self.capacity = 0
-            self._counter = None
-            counter.close()
-        else:
-            counter.value = value
+        try:
+            counter = self._counter
+            value = counter.read() if counter is not None else None
+            if counter is None or value == counter.value:
+                return
+            if value is None:
+                self.capacity = 0
+                self._counter = None
+                counter.close()
+            else:
+                counter.value = value
+        finally:
+            self._checking.release()
         self.close()
 
     def close(self) -> None:
         """Let go of every held file (a thread mid-read keeps its own until done)."""
         with self._lock:
-            dropped, self.held = self.held, {}
+            dropped, self.held, self._bytes = self.held, {}, 0
         dropped.clear()  # closes them, outside the lock: each close may free a file's space
 
     def forget(self, path: str) -> None:
         """Stop holding `path` (found damaged: a repair replaces it with a new file)."""
         with self._lock:
-            self.held.pop(path, None)
+            self._drop(path)
 
     def _after_fork_in_child(self) -> None:
         """The child's copies of the parent's files: close them now, while the numbers are
         still theirs, and start unlocked."""
         self._lock = threading.Lock()
-        self.held = {}
+        self._checking = threading.Lock()
+        self.held, self._bytes = {}, 0
 
 
 _by_cache: weakref.WeakValueDictionary[Path, OpenBlocks] = weakref.WeakValueDictionary()
