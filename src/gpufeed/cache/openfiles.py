@@ -136,9 +136,9 @@ def capacity_for(wanted: int) -> int:
 
 
 class OpenBlocks:
-    """Up to `capacity` open block files of one cache, and at most HELD_BYTES of them, the
-    oldest let go first. Nothing is held without the agent's deletion count: a held file could
-    keep deleted blocks' space.
+    """Up to `capacity` open block files of one cache and at most HELD_BYTES of them, the first
+    ones read. Nothing is held without the agent's deletion count: a held file could keep
+    deleted blocks' space.
 
     A hit looks its file up in `held` itself and calls `open` on a miss; the reader calls
     `check` every few dozen hits. So a hit makes no extra call and no extra system call."""
@@ -153,31 +153,25 @@ class OpenBlocks:
         self._checking = threading.Lock()
 
     def open(self, path: str) -> Held:
-        """Open `path` (FileNotFoundError on a miss) and hold it, mapped. When nothing is held
-        (capacity 0) nothing is mapped either: a mapping used once costs more than a read."""
-        self.check()
-        if not self.capacity:
-            return Held(os.open(path, os.O_RDONLY))
+        """Open `path` (FileNotFoundError on a miss): held and mapped while there is room, else
+        only for this read. Nothing held is let go to make room: when the files read exceed
+        what a process may hold (random samples of a big dataset), swapping them would map,
+        fault in and unmap a file per read, dearer than the pread a file not held gets."""
+        if len(self.held) < self.capacity:
+            self.check()
         fd = os.open(path, os.O_RDONLY)
+        size = os.lseek(fd, 0, os.SEEK_END) if len(self.held) < self.capacity else 0
+        if not size or self._bytes + size > HELD_BYTES:  # no room (or an empty, damaged file: no map)
+            return Held(fd)
         try:
             held = Held(-1, mmap.mmap(fd, 0, prot=mmap.PROT_READ))
-        except ValueError:  # an empty (damaged) file cannot be mapped
-            held, fd = Held(fd), -1
         finally:
-            if fd >= 0:
-                os.close(fd)
-        size = len(held.mapped) if held.mapped is not None else 0
+            os.close(fd)
         with self._lock:
-            while self.held and (len(self.held) >= self.capacity or self._bytes + size > HELD_BYTES):
-                self._drop(next(iter(self.held)))
-            self.held[path] = held
-            self._bytes += size
+            if len(self.held) < self.capacity:
+                self.held[path] = held
+                self._bytes += size
         return held
-
-    def _drop(self, path: str) -> None:
-        held = self.held.pop(path, None)
-        if held is not None and held.mapped is not None:
-            self._bytes -= len(held.mapped)
 
     def check(self) -> None:
         """Let go of every held file if the agent deleted block files since the last look; hold
@@ -208,7 +202,9 @@ class OpenBlocks:
     def forget(self, path: str) -> None:
         """Stop holding `path` (found damaged: a repair replaces it with a new file)."""
         with self._lock:
-            self._drop(path)
+            held = self.held.pop(path, None)
+            if held is not None and held.mapped is not None:
+                self._bytes -= len(held.mapped)
 
     def _after_fork_in_child(self) -> None:
         """The child's copies of the parent's files: close them now, while the numbers are
