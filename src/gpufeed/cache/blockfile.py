@@ -22,35 +22,45 @@ from gpufeed.cache.openfiles import Held, OpenBlocks
 def read_one_chunk(files: OpenBlocks, path: str, length: int, header: bytes) -> memoryview:
     """The data of a verified one-chunk block, with its length, header and checksum compared.
     Every small file's hit runs this, so it is flat. A held file's data is copied out of its
-    mapping and the copy verified, so what is handed out is what was checked; a file not held
-    is read with two preads. Either way the data is a bytes object of its own (`as_bytes`
-    hands it out without another copy)."""
+    mapping and the copy verified, so what is handed out is what was checked. Either way the
+    data is a bytes object of its own (`as_bytes` hands it out without another copy)."""
     held = files.held.get(path)
     opened = held is None
     if held is None:
         held = files.open(path)
+        if held is None:
+            return _one_chunk_unheld(path, length, header)
     mapped = held.mapped
-    if mapped is not None:
-        # the size first: touching a mapping past the end of a file shrunk since would fault
-        good = len(mapped) == SMALL_HEAD + length and held.map.size() == len(mapped)  # type: ignore[union-attr]
-        if good and held.checksum is None and mapped[:HEAD_SIZE] == header:
-            held.checksum = SUM.unpack_from(mapped, HEAD_SIZE)[0]  # the file never changes
-        if good:
-            data = bytes(mapped[SMALL_HEAD:])
-            good = xxh3_64_intdigest(data) == held.checksum
-    else:
-        head = os.pread(held.fd, SMALL_HEAD, 0)
-        data = os.pread(held.fd, length, SMALL_HEAD)
-        good = (
-            len(data) == length
-            and len(head) == SMALL_HEAD
-            and head.startswith(header)
-            and xxh3_64_intdigest(data) == SUM.unpack_from(head, HEAD_SIZE)[0]
-        )
+    # the size first: touching a mapping past the end of a file shrunk since would fault
+    good = len(mapped) == SMALL_HEAD + length and held.map.size() == len(mapped)
+    if good and held.checksum is None and mapped[:HEAD_SIZE] == header:
+        held.checksum = SUM.unpack_from(mapped, HEAD_SIZE)[0]  # the file never changes
+    if good:
+        data = bytes(mapped[SMALL_HEAD:])
+        good = xxh3_64_intdigest(data) == held.checksum
     if not good:
         files.forget(path)
         if not opened:  # a repair may have replaced the damaged file since: read the one there
             return read_one_chunk(files, path, length, header)
+        raise CorruptBlock("header, length or checksum does not match")
+    return memoryview(data)
+
+
+def _one_chunk_unheld(path: str, length: int, header: bytes) -> memoryview:
+    """A one-chunk block this process does not hold: one open, a pread of the header and one
+    of the data (a copy of its own, so `as_bytes` needs none), one close."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        head = os.pread(fd, SMALL_HEAD, 0)
+        data = os.pread(fd, length, SMALL_HEAD)
+    finally:
+        os.close(fd)
+    if (
+        len(data) != length
+        or len(head) != SMALL_HEAD
+        or not head.startswith(header)
+        or xxh3_64_intdigest(data) != SUM.unpack_from(head, HEAD_SIZE)[0]
+    ):
         raise CorruptBlock("header, length or checksum does not match")
     return memoryview(data)
 
@@ -78,10 +88,14 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
     opened = held is None
     if held is None:
         held = files.open(path)
+        if held is None:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                return _read_unmapped(fd, ref.verify, head, length, start, end)
+            finally:
+                os.close(fd)
     try:
-        if held.map is not None:
-            return _read_mapped(held, ref.verify, head, length, start, end)
-        return _read_unmapped(held.fd, ref.verify, head, length, start, end)
+        return _read_mapped(held, ref.verify, head, length, start, end)
     except CorruptBlock:
         files.forget(path)
         if not opened:  # a repair may have replaced the damaged file since: read the one there
@@ -93,7 +107,6 @@ def _read_mapped(held: Held, checked: bool, head: int, length: int, start: int, 
     """The wanted bytes copied out of a held block's mapping, the chunks they lie in verified
     in place first (hashing a whole 256 KiB chunk where it lies costs less than copying it)."""
     mapped = held.mapped
-    assert held.map is not None and mapped is not None
     if len(mapped) != head + length or held.map.size() != len(mapped):  # before touching it
         raise CorruptBlock("wrong size")
     if checked:

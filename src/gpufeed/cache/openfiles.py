@@ -102,30 +102,21 @@ class DeletionCounter:
 
 
 class Held:
-    """One open block file: a descriptor to pread from, or, when held, the whole file mapped.
-    Closed when the last reference goes, so a thread in the middle of a read keeps it open
-    although another thread let it go."""
+    """One held block file, mapped whole. The mapping keeps a descriptor of its own until the
+    last reference goes, so a thread in the middle of a read keeps it although another thread
+    let it go."""
 
-    __slots__ = ("fd", "map", "mapped", "checksum")
+    __slots__ = ("map", "mapped", "checksum")
 
-    def __init__(self, fd: int, mapped: mmap.mmap | None = None) -> None:
-        self.fd = fd
-        """-1 when mapped: the mapping keeps a descriptor of its own (one per file, not two)."""
+    def __init__(self, mapped: mmap.mmap) -> None:
         self.map = mapped
         """Its `size()` is the file's size now (an fstat), checked before the mapping is touched."""
-        self.mapped = memoryview(mapped) if mapped is not None else None
+        self.mapped = memoryview(mapped)
         """What hits copy from (and verify in place, for big blocks)."""
         self.checksum: int | None = None
         """A one-chunk block's checksum, once a read has checked its header: the file never
         changes, so later reads verify their data against it and skip the header (a header
         damaged since changes no data byte)."""
-
-    def __del__(self, close=os.close) -> None:  # type: ignore[no-untyped-def]
-        if self.fd >= 0:
-            try:
-                close(self.fd)
-            except OSError:
-                pass  # the program closed every descriptor itself (a daemon after fork)
 
 
 def capacity_for(wanted: int) -> int:
@@ -149,22 +140,31 @@ class OpenBlocks:
         self.held: dict[str, Held] = {}
         """Path → open file. Keep a looked-up `Held` referenced while reading from it."""
         self._bytes = 0
+        self._full = False
+        """HELD_BYTES reached: hold no more until letting go."""
         self._lock = threading.Lock()
         self._checking = threading.Lock()
 
-    def open(self, path: str) -> Held:
-        """Open `path` (FileNotFoundError on a miss): held and mapped while there is room, else
-        only for this read. Nothing held is let go to make room: when the files read exceed
-        what a process may hold (random samples of a big dataset), swapping them would map,
-        fault in and unmap a file per read, dearer than the pread a file not held gets."""
-        if len(self.held) < self.capacity:
-            self.check()
+    def open(self, path: str) -> Held | None:
+        """The file at `path` held and mapped (FileNotFoundError on a miss), or None when there
+        is no room: the caller reads it with open, pread and close. Nothing held is let go to
+        make room: when the files read exceed what a process may hold (random samples of a big
+        dataset), swapping them would map, fault in and unmap a file per read, dearer than the
+        pread a file not held gets."""
+        if self._full or len(self.held) >= self.capacity:
+            return None
+        self.check()
+        if len(self.held) >= self.capacity:
+            return None
         fd = os.open(path, os.O_RDONLY)
-        size = os.lseek(fd, 0, os.SEEK_END) if len(self.held) < self.capacity else 0
-        if not size or self._bytes + size > HELD_BYTES:  # no room (or an empty, damaged file: no map)
-            return Held(fd)
         try:
-            held = Held(-1, mmap.mmap(fd, 0, prot=mmap.PROT_READ))
+            size = os.lseek(fd, 0, os.SEEK_END)
+            if self._bytes + size > HELD_BYTES:
+                self._full = True
+                return None
+            if not size:  # an empty (damaged) file cannot be mapped
+                return None
+            held = Held(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
         finally:
             os.close(fd)
         with self._lock:
@@ -196,14 +196,14 @@ class OpenBlocks:
     def close(self) -> None:
         """Let go of every held file (a thread mid-read keeps its own until done)."""
         with self._lock:
-            dropped, self.held, self._bytes = self.held, {}, 0
+            dropped, self.held, self._bytes, self._full = self.held, {}, 0, False
         dropped.clear()  # closes them, outside the lock: each close may free a file's space
 
     def forget(self, path: str) -> None:
         """Stop holding `path` (found damaged: a repair replaces it with a new file)."""
         with self._lock:
             held = self.held.pop(path, None)
-            if held is not None and held.mapped is not None:
+            if held is not None:
                 self._bytes -= len(held.mapped)
 
     def _after_fork_in_child(self) -> None:
@@ -211,7 +211,7 @@ class OpenBlocks:
         still theirs, and start unlocked."""
         self._lock = threading.Lock()
         self._checking = threading.Lock()
-        self.held, self._bytes = {}, 0
+        self.held, self._bytes, self._full = {}, 0, False
 
 
 _by_cache: weakref.WeakValueDictionary[Path, OpenBlocks] = weakref.WeakValueDictionary()
