@@ -2,8 +2,9 @@
 
 Every reader (Python API, CLI, fsspec, and later PyTorch datasets, FUSE, warmup, the
 benchmark) fetches bytes through `Client.read_range`. A hit reads a published block file in
-this process, held open and mapped between hits (`cache.openfiles`), with no round trip; misses go to the node agent in one batched
-request; when the agent cannot cache (disk full, no agent) the bytes come from the source.
+this process (held open and mapped between hits: `cache.openfiles`), with no round trip;
+misses go to the node agent in one batched request; when the agent cannot cache (disk full,
+no agent) the bytes come from the source.
 """
 
 from __future__ import annotations
