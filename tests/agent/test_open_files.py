@@ -8,6 +8,7 @@ import resource
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,31 @@ def test_a_batch_bigger_than_the_open_file_limit(tmp_path: Path) -> None:
     """
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+def test_threads_read_right_bytes_while_the_cache_is_cleared_under_them(files: dict[str, bytes]) -> None:
+    """Held files are let go by one thread while others read from them: every read is right."""
+    client = Client()
+    failures: list[BaseException] = []
+    done = threading.Event()
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                read_all(client, files)
+        except BaseException as exc:  # reported by the assert below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    agent = AgentClient(client.settings)
+    for _ in range(10):
+        read_all(Client(), files)
+        agent.request({"op": "clear"})
+    done.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert failures == []
+    stats = agent.request({"op": "stats"})
+    assert stats["evictions"] >= len(files) and stats["repairs"] == 0, "no file was misread as damaged"
