@@ -62,3 +62,8 @@ class ObjectMissing(SourceError, FileNotFoundError):
 
 class ObjectChanged(SourceError):
     """The source object's version differs from the manifest's; bytes of two versions never mix."""
+
+
+class ObjectCorrupted(SourceError):
+    """The store kept returning bytes that do not match what it (or the manifest) vouches for:
+    an ETag's MD5, a store checksum, a content hash. Never delivered, never cached."""

@@ -14,13 +14,16 @@ class ObjectInfo:
     """An object as the source reports it. `key` is relative to the source root, '/'-separated.
 
     `mtime` is seconds since the epoch (0.0 when the store does not say). `etag` is None when
-    the store has none; then the version is derived from mtime and size.
+    the store has none; then the version is derived from mtime and size. `content_hash` is a
+    hash of the whole object the manifest vouches for (`"sha256:<hex>"`, `"md5:<hex>"`), from
+    a checksums file or `gpufeed verify`; None when nothing but the store vouches for it.
     """
 
     key: str
     size: int
     mtime: float
     etag: str | None = None
+    content_hash: str | None = None
 
     @property
     def version(self) -> str:
