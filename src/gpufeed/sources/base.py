@@ -47,17 +47,31 @@ class Source(Protocol):
     every client reach the same store."""
 
     def list(self) -> Iterator[list[ObjectInfo]]:
-        """Every object under the root, in batches, streamed so memory stays bounded."""
+        """Every object under the root, in batches, streamed so memory stays bounded; a listing
+        that breaks off is resumed and retried, never repeating or dropping an object."""
         ...
 
-    def head(self, key: str) -> ObjectInfo: ...
-
-    def get_range(self, key: str, start: int, end: int, expect: ObjectInfo | None = None) -> memoryview:
-        """Bytes [start, end) of `key`. With `expect`, fail with ObjectChanged unless the
-        object still has that version, so bytes of two versions never mix."""
+    def head(self, key: str) -> ObjectInfo:
+        """The object as the store reports it now; retried like every store call."""
         ...
 
-    async def get_range_async(self, key: str, start: int, end: int, expect: ObjectInfo | None = None) -> memoryview:
+    def get_range(
+        self, key: str, start: int, end: int, expect: ObjectInfo | None = None, *, conditional: bool = True
+    ) -> memoryview:
+        """Bytes [start, end) of `key`, retried until they pass every check the source can make.
+
+        `expect` is what the caller knows of the object (size, etag, content_hash): a read of the
+        whole object is checked against its `content_hash` (and, on S3, against a plain MD5 ETag);
+        a persistent mismatch raises ObjectCorrupted. A range of an object cannot be checked
+        against a hash of the whole; only its length is. With `conditional` (the default) and an
+        `expect`, the read is also pinned to that version: ObjectChanged unless the object still
+        has it, so bytes of two versions never mix; immutable mounts pass `conditional=False`.
+        """
+        ...
+
+    async def get_range_async(
+        self, key: str, start: int, end: int, expect: ObjectInfo | None = None, *, conditional: bool = True
+    ) -> memoryview:
         """`get_range` for the agent's event loop; the I/O runs without the GIL."""
         ...
 

@@ -2,37 +2,56 @@
 
 Every kind of store (local dir, S3-compatible, GCS, Azure, HTTP) reads through this one
 adapter; kinds differ only in how the store is built and, for HTTP, how it is listed.
+
+Every remote call is retried (`sources.retry`), and what a GET returns is checked before anyone
+sees it: its length always; for a read of a whole object, the manifest's content hash and, on
+S3, a plain ETag (the MD5 of a single-part upload). A range of an object cannot be checked
+against a hash of the whole: the caller that assembles the object checks it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import logging
 import re
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import obstore
 from obstore import exceptions as obx
 
+from gpufeed.config import Settings
 from gpufeed.errors import (
     InvalidArgument,
     ObjectChanged,
+    ObjectCorrupted,
     ObjectMissing,
     SourceAuthError,
     SourceError,
     SourceUnreachable,
 )
+from gpufeed.sources import retry
 from gpufeed.sources.base import ObjectInfo
+from gpufeed.sources.retry import Retryable
 
 if TYPE_CHECKING:
     from obstore import GetOptions, GetResult, ObjectMeta
 
 LIST_CHUNK = 1000
+HASH_IN_THREAD = 256 * 1024
+"""Bodies at least this long are hashed off the event loop (hashlib releases the GIL)."""
+
+log = logging.getLogger("gpufeed")
 
 
 _XML_CODE = re.compile(r"<Code>([^<]*)</Code>")
 _XML_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 _STATUS = re.compile(r"status code: (\d{3} [A-Za-z ]+?)(?::|$)", re.MULTILINE)
+_SERVER_ERROR = re.compile(r"status code: 5\d\d|<Code>(SlowDown|InternalError|ServiceUnavailable)</Code>")
+_BODY_ERRORS = ("response body", "error decoding", "invalid list response", "connection reset", "unexpected eof")
+_MD5_HEX = re.compile(r"[0-9a-fA-F]{32}")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -57,13 +76,27 @@ def _is_connection_failure(message: str) -> bool:
 
 
 class ObstoreSource:
-    """A `Source` backed by an obstore store rooted at `url`."""
+    """A `Source` backed by an obstore store rooted at `url`. `kind` is the store kind ("file",
+    "s3", "gcs", "azure", "http"): local reads are not retried, and only S3 ETags are MD5s."""
 
-    def __init__(self, url: str, store: Any, endpoint: str | None = None, options: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        store: Any,
+        endpoint: str | None = None,
+        options: dict[str, str] | None = None,
+        *,
+        kind: str = "file",
+        settings: Settings | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.store = store
         self.endpoint = endpoint
         self.options = dict(options or {})
+        self.kind = kind
+        self.etag_is_md5 = kind == "s3"
+        timeout = (settings or Settings.from_env()).retry_timeout
+        self.retry = retry.RetryPolicy(self.where(), timeout, attempts=1 if kind == "file" else 5)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.where()})"
@@ -95,6 +128,22 @@ class ObstoreSource:
             return SourceAuthError(f"{where}: access denied ({message})")
         return SourceError(f"{where}: {message}")
 
+    def failure(self, exc: Exception, key: str = "") -> Exception:
+        """`translate`, wrapped in `Retryable` when another attempt may succeed: the store was
+        unreachable, answered 5xx (SlowDown), or the body broke off. Not found, changed,
+        denied and invalid are final."""
+        error = self.translate(exc, key)
+        if self.kind == "file":
+            return error
+        text = str(exc)
+        if type(error) is SourceUnreachable:
+            return Retryable("connection failure", error)
+        if type(error) is SourceError and _SERVER_ERROR.search(text):
+            return Retryable("server error", error)
+        if type(error) is SourceError and any(marker in text.lower() for marker in _BODY_ERRORS):
+            return Retryable("broken response body", error)
+        return error
+
     @staticmethod
     def _info(meta: ObjectMeta) -> ObjectInfo:
         modified: datetime | None = meta.get("last_modified")
@@ -106,45 +155,149 @@ class ObstoreSource:
         )
 
     def list(self) -> Iterator[list[ObjectInfo]]:
-        try:
-            for chunk in obstore.list(self.store, chunk_size=LIST_CHUNK):
-                yield [self._info(meta) for meta in chunk if not meta["path"].endswith("/")]
-        except (obx.BaseError, OSError) as exc:
-            raise self.translate(exc) from exc
+        """Keys come in order, so a listing that breaks resumes after the last key it got:
+        nothing twice, nothing dropped. Attempts count from the last page that arrived."""
+        attempts = self.retry.begin()
+        last: str | None = None
+        while True:
+            try:
+                for chunk in obstore.list(self.store, offset=last, chunk_size=LIST_CHUNK):
+                    if chunk:
+                        last = chunk[-1]["path"]
+                    attempts.progress()
+                    yield [self._info(meta) for meta in chunk if not meta["path"].endswith("/")]
+                return
+            except (obx.BaseError, OSError) as exc:
+                failure = self.failure(exc)
+                if not isinstance(failure, Retryable):
+                    raise failure from exc
+                attempts.failed(failure)
 
     def head(self, key: str) -> ObjectInfo:
-        try:
-            return self._info(obstore.head(self.store, key))
-        except (obx.BaseError, OSError) as exc:
-            raise self.translate(exc, key) from exc
+        def attempt() -> ObjectInfo:
+            try:
+                return self._info(obstore.head(self.store, key))
+            except (obx.BaseError, OSError) as exc:
+                raise self.failure(exc, key) from exc
+
+        return retry.call(self.retry, attempt)
+
+    async def head_async(self, key: str) -> ObjectInfo:
+        async def attempt() -> ObjectInfo:
+            try:
+                return self._info(await obstore.head_async(self.store, key))
+            except (obx.BaseError, OSError) as exc:
+                raise self.failure(exc, key) from exc
+
+        return await retry.call_async(self.retry, attempt)
 
     @staticmethod
-    def _get_options(start: int, end: int, expect: ObjectInfo | None) -> GetOptions:
+    def _get_options(start: int, end: int, expect: ObjectInfo | None, conditional: bool) -> GetOptions:
         options: GetOptions = {"range": (start, end)}
-        if expect is not None:
+        if expect is not None and conditional:
             if expect.etag:
                 options["if_match"] = expect.etag
             elif expect.mtime > 0:
-                options["if_unmodified_since"] = datetime.fromtimestamp(expect.mtime, timezone.utc)
+                options["if_unmodified_since"] = datetime.fromtimestamp(expect.mtime, UTC)
         return options
 
-    @staticmethod
-    def _check_size(result: GetResult, expect: ObjectInfo | None) -> None:
-        if expect is not None and result.meta["size"] != expect.size:
-            raise obx.PreconditionError(f"size {result.meta['size']} != {expect.size}")
+    def get_range(
+        self, key: str, start: int, end: int, expect: ObjectInfo | None = None, *, conditional: bool = True
+    ) -> memoryview:
+        """Bytes [start, end) of `key`, checked (see the module doc); `expect` is what the caller
+        knows of the object, `conditional` pins its version (see `Source.get_range`)."""
+        options = self._get_options(start, end, expect, conditional)
+        mismatches: set[str] = set()
 
-    def get_range(self, key: str, start: int, end: int, expect: ObjectInfo | None = None) -> memoryview:
-        try:
-            result = obstore.get(self.store, key, options=self._get_options(start, end, expect))
-            self._check_size(result, expect)
-            return memoryview(result.bytes())
-        except (obx.BaseError, OSError) as exc:
-            raise self.translate(exc, key) from exc
+        def attempt() -> memoryview:
+            try:
+                result = obstore.get(self.store, key, options=options)
+                data = memoryview(result.bytes())
+            except (obx.BaseError, OSError) as exc:
+                raise self.failure(exc, key) from exc
+            if self._whole(key, start, end, expect, conditional, result, data):
+                self._check_hashes(key, data, expect, result.meta.get("e_tag"), mismatches)
+            return data
 
-    async def get_range_async(self, key: str, start: int, end: int, expect: ObjectInfo | None = None) -> memoryview:
-        try:
-            result = await obstore.get_async(self.store, key, options=self._get_options(start, end, expect))
-            self._check_size(result, expect)
-            return memoryview(await result.bytes_async())
-        except (obx.BaseError, OSError) as exc:
-            raise self.translate(exc, key) from exc
+        return retry.call(self.retry, attempt)
+
+    async def get_range_async(
+        self, key: str, start: int, end: int, expect: ObjectInfo | None = None, *, conditional: bool = True
+    ) -> memoryview:
+        """`get_range` for the agent's event loop; the I/O and the hashing run without the GIL."""
+        options = self._get_options(start, end, expect, conditional)
+        mismatches: set[str] = set()
+
+        async def attempt() -> memoryview:
+            try:
+                result = await obstore.get_async(self.store, key, options=options)
+                data = memoryview(await result.bytes_async())
+            except (obx.BaseError, OSError) as exc:
+                raise self.failure(exc, key) from exc
+            if self._whole(key, start, end, expect, conditional, result, data):
+                etag = result.meta.get("e_tag")
+                if len(data) >= HASH_IN_THREAD:
+                    await asyncio.to_thread(self._check_hashes, key, data, expect, etag, mismatches)
+                else:
+                    self._check_hashes(key, data, expect, etag, mismatches)
+            return data
+
+        return await retry.call_async(self.retry, attempt)
+
+    def _whole(
+        self, key: str, start: int, end: int, expect: ObjectInfo | None, conditional: bool, result: GetResult, data: memoryview
+    ) -> bool:
+        """Check the length of what arrived; True when it is the whole object, so hashes apply."""
+        where = self.where(key)
+        size = int(result.meta["size"])
+        if conditional and expect is not None and size != expect.size:
+            raise ObjectChanged(f"{where}: the object changed at the source since it was listed ({size} bytes, not {expect.size})")
+        first, last = result.range
+        if len(data) != last - first:
+            raise Retryable(
+                "broken response body",
+                SourceError(f"{where}: the store sent {len(data)} bytes for the {last - first} of [{first}, {last})"),
+            )
+        if (first, last) != (start, end):
+            raise ObjectChanged(f"{where}: the source returned bytes [{first}, {last}) for [{start}, {end}); it is {size} bytes now")
+        return start == 0 and end == size
+
+    def _check_hashes(
+        self, key: str, data: memoryview, expect: ObjectInfo | None, etag: str | None, mismatches: set[str]
+    ) -> None:
+        """Compare a whole object's bytes with the manifest's content hash, and on S3 with a
+        plain ETag. A mismatch is retried. Some S3 ETags are 32 hex digits yet no MD5 of the
+        bytes (SSE-KMS, SSE-C): when two reads bring the same bytes that disagree with the
+        ETag, it is such an ETag, not a bad transfer, and this source stops checking ETags."""
+        where = self.where(key)
+        if expect is not None and expect.content_hash:
+            algorithm, _, wanted = expect.content_hash.partition(":")
+            try:
+                got = hashlib.new(algorithm.lower(), data).hexdigest()
+            except ValueError:
+                raise InvalidArgument(f"{where}: content hash {expect.content_hash!r}: unknown hash algorithm") from None
+            if got != wanted.lower():
+                raise Retryable(
+                    "integrity mismatch",
+                    ObjectCorrupted(
+                        f"{where}: the bytes read hash to {algorithm}:{got}, the manifest says {expect.content_hash}"
+                    ),
+                )
+        plain = (etag or "").strip('"')
+        if not (self.etag_is_md5 and _MD5_HEX.fullmatch(plain)):
+            return
+        got = hashlib.md5(data).hexdigest()
+        if got == plain.lower():
+            return
+        if got in mismatches:
+            self.etag_is_md5 = False
+            log.warning(
+                "%s: ETag %s is not the MD5 of the object's bytes (%s) on two reads (an encrypted object?); "
+                "ETags of this source are no longer checked", where, plain, got,
+            )
+            return
+        mismatches.add(got)
+        raise Retryable(
+            "integrity mismatch",
+            ObjectCorrupted(f"{where}: the bytes read hash to md5:{got}, the store's ETag says md5:{plain.lower()}"),
+        )

@@ -11,7 +11,7 @@ import os
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import SplitResult
+from urllib.parse import SplitResult, urlsplit
 
 from obstore import exceptions as obx
 from obstore.store import AzureStore, GCSStore, LocalStore, S3Store
@@ -76,13 +76,36 @@ def _bucket_and_prefix(parts: SplitResult, url: str) -> tuple[str, str | None]:
     return parts.netloc, prefix or None
 
 
+def checked_endpoint(url: str, endpoint: str | None) -> str | None:
+    """An endpoint obstore can use, or InvalidArgument naming it: obstore panics on some
+    malformed ones (no scheme) instead of raising."""
+    if not endpoint:
+        return endpoint
+    if not endpoint.lower().startswith(("http://", "https://")):
+        raise InvalidArgument(f"{url}: endpoint {endpoint!r}: endpoint must start with http:// or https://")
+    try:
+        parts = urlsplit(endpoint)
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError as exc:
+        raise InvalidArgument(f"{url}: endpoint {endpoint!r}: {exc}") from None
+    if not parts.hostname:
+        raise InvalidArgument(f"{url}: endpoint {endpoint!r}: missing host")
+    return endpoint
+
+
 def _no_options(url: str, options: dict[str, str]) -> None:
     if options:
         raise InvalidArgument(f"{url}: unknown option(s) {', '.join(sorted(options))} for this source kind")
 
 
 def _construct(
-    display_url: str, shown_endpoint: str | None, canonical: dict[str, str], factory: Any, **kwargs: Any
+    display_url: str,
+    shown_endpoint: str | None,
+    canonical: dict[str, str],
+    settings: Settings,
+    kind: str,
+    factory: Any,
+    **kwargs: Any,
 ) -> ObstoreSource:
     display_url = display_url.rstrip("/")
     try:
@@ -90,7 +113,7 @@ def _construct(
     except (obx.UnknownConfigurationKeyError, obx.GenericError, ValueError, TypeError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InvalidArgument(f"{display_url}: invalid store configuration ({message})") from exc
-    return ObstoreSource(display_url, store, shown_endpoint, canonical)
+    return ObstoreSource(display_url, store, shown_endpoint, canonical, kind=kind, settings=settings)
 
 
 def local_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
@@ -102,13 +125,14 @@ def local_source(url: str, parts: SplitResult, options: dict[str, str], settings
         raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
     if not root.is_dir():
         raise PathNotFound(f"{url}: no such directory")
-    return _construct(f"file://{root}", None, {}, LocalStore, prefix=root)
+    return _construct(f"file://{root}", None, {}, settings, "file", LocalStore, prefix=root)
 
 
 def s3_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
     bucket, prefix = _bucket_and_prefix(parts, url)
     config = dict(options)
     endpoint = config.pop("endpoint", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = checked_endpoint(url, endpoint)
     kwargs: dict[str, Any] = {"bucket": bucket, "prefix": prefix}
     if endpoint:
         kwargs["endpoint"] = endpoint
@@ -127,6 +151,8 @@ def s3_source(url: str, parts: SplitResult, options: dict[str, str], settings: S
         f"s3://{bucket}/{prefix or ''}",
         endpoint,
         canonical,
+        settings,
+        "s3",
         S3Store,
         config=config or None,
         client_options=client_options(settings, endpoint),
@@ -150,7 +176,7 @@ def _profile_credentials(url: str, profile: str) -> Any:
 def gcs_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
     bucket, prefix = _bucket_and_prefix(parts, url)
     config = dict(options)
-    endpoint = config.pop("endpoint", None)
+    endpoint = checked_endpoint(url, config.pop("endpoint", None))
     if endpoint:
         config["base_url"] = endpoint
     kwargs: dict[str, Any] = {"bucket": bucket, "prefix": prefix}
@@ -160,6 +186,8 @@ def gcs_source(url: str, parts: SplitResult, options: dict[str, str], settings: 
         f"gs://{bucket}/{prefix or ''}",
         endpoint,
         dict(options),
+        settings,
+        "gcs",
         GCSStore,
         config=config or None,
         client_options=client_options(settings, endpoint),
@@ -171,7 +199,7 @@ def gcs_source(url: str, parts: SplitResult, options: dict[str, str], settings: 
 def azure_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
     container, prefix = _bucket_and_prefix(parts, url)
     config = dict(options)
-    endpoint = config.get("endpoint")
+    endpoint = checked_endpoint(url, config.get("endpoint"))
     if "account" in config:
         config["account_name"] = config.pop("account")
     anonymous = parse_bool("anonymous", config.pop("anonymous", "false"))
@@ -180,6 +208,8 @@ def azure_source(url: str, parts: SplitResult, options: dict[str, str], settings
         f"az://{container}/{prefix or ''}",
         endpoint,
         dict(options),
+        settings,
+        "azure",
         AzureStore,
         container_name=container,
         prefix=prefix,

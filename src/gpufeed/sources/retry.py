@@ -1,0 +1,116 @@
+"""Retries for store calls: bounded by attempts and time, full-jitter backoff, one warning per
+source and kind of failure.
+
+obstore retries a request that fails before its body arrives, but not a body cut short, a
+listing page that breaks, or bytes that fail a check; those come here. A call marks a failure
+worth retrying by raising `Retryable` with the error to raise once retries run out; anything
+else (not found, changed, denied, invalid) passes straight through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import NoReturn, TypeVar
+
+T = TypeVar("T")
+
+log = logging.getLogger("gpufeed")
+
+
+class Retryable(Exception):
+    """A transient failure of kind `kind` ("connection", "server error", "body", "integrity");
+    `error` is the gpufeed error the caller sees when no attempt is left."""
+
+    def __init__(self, kind: str, error: Exception) -> None:
+        super().__init__(f"{kind}: {error}")
+        self.kind = kind
+        self.error = error
+
+
+class RetryPolicy:
+    """How one source retries. Delays grow from `base` doubling up to `cap`, each drawn uniformly
+    from [0, bound] (full jitter, so clients that failed together do not retry together)."""
+
+    def __init__(
+        self, where: str, timeout: float, attempts: int = 5, base: float = 0.05, cap: float = 2.0, rng: random.Random | None = None
+    ) -> None:
+        self.where = where
+        self.timeout = timeout
+        self.attempts = attempts
+        self.base = base
+        self.cap = cap
+        self.rng = rng or random.Random()
+        self.warned: set[str] = set()
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number `attempt` (1-based)."""
+        return self.rng.uniform(0.0, min(self.cap, self.base * 2 ** (attempt - 1)))
+
+    def begin(self) -> Attempts:
+        return Attempts(self)
+
+    def note(self, failure: Retryable) -> None:
+        """Warn the first time this source sees this kind of failure; later ones are silent, so a
+        flaky store does not flood the log, yet a user learns that it is flaky."""
+        if failure.kind in self.warned:
+            return
+        self.warned.add(failure.kind)
+        log.warning(
+            "%s: %s (%s); retrying with backoff, further %s failures of this source are not logged",
+            self.where, failure.kind, failure.error, failure.kind,
+        )
+
+
+class Attempts:
+    """The attempts of one call. `failed` waits before the next attempt or raises the final
+    error; `progress` restarts the count when a long call (a listing) got somewhere."""
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self.progress()
+
+    def progress(self) -> None:
+        self.count = 0
+        self.deadline = time.monotonic() + self.policy.timeout
+
+    def _next_delay(self, failure: Retryable) -> float:
+        self.count += 1
+        delay = self.policy.delay(self.count)
+        if self.count >= self.policy.attempts or time.monotonic() + delay > self.deadline:
+            _give_up(failure)
+        self.policy.note(failure)
+        return delay
+
+    def failed(self, failure: Retryable) -> None:
+        time.sleep(self._next_delay(failure))
+
+    async def failed_async(self, failure: Retryable) -> None:
+        await asyncio.sleep(self._next_delay(failure))
+
+
+def _give_up(failure: Retryable) -> NoReturn:
+    raise failure.error from failure.__cause__
+
+
+def call(policy: RetryPolicy, attempt: Callable[[], T]) -> T:
+    """`attempt()` until it returns, retrying what it raises as `Retryable`."""
+    attempts = policy.begin()
+    while True:
+        try:
+            return attempt()
+        except Retryable as failure:
+            attempts.failed(failure)
+
+
+async def call_async(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]]) -> T:
+    """`call` for coroutines: `attempt` makes a fresh awaitable each time."""
+    attempts = policy.begin()
+    while True:
+        try:
+            return await attempt()
+        except Retryable as failure:
+            await attempts.failed_async(failure)
