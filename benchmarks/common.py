@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import gpufeed
-from gpufeed.agent.client import stop_agent
+from gpufeed.client.connection import stop_agent
 
 
 @contextmanager

@@ -158,7 +158,7 @@ def main() -> None:
                 feed_data = FeedDataset("/bench", transform=features)
                 unprefetched = train(loader_of(feed_data, FeedSampler(feed_data, prefetch=False), args), accelerator_s)
                 report("gpufeed, sampler prefetch off", unprefetched)
-                gpufeed.client().agent.request({"op": "clear"})  # the next loop starts cold too
+                gpufeed.client().agent.clear()  # the next loop starts cold too
                 feed = train(loader_of(feed_data, FeedSampler(feed_data), args), accelerator_s)
                 report("gpufeed FeedDataset+FeedSampler", feed)
     print(f"waiting for data: fsspec/s3fs / gpufeed = {baseline['fraction'] / max(feed['fraction'], 1e-9):.1f}x")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.agent.client import stop_agent
+from gpufeed.client.connection import stop_agent
 from gpufeed.bench.children import free_port, helper
 from gpufeed.config import Settings
 from gpufeed.namespace import Namespace

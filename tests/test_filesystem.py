@@ -9,7 +9,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from gpufeed.agent.client import AgentClient
+from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
 from gpufeed.namespace import Namespace
@@ -29,8 +29,8 @@ def test_pandas_and_pyarrow_read_through_the_cache(table: pd.DataFrame) -> None:
     assert pd.read_parquet("gpufeed:///data/tables/index.parquet").equals(table)
     fs = fsspec.filesystem("gpufeed")
     assert pq.read_table("/data/tables/index.parquet", filesystem=fs).to_pandas().equals(table)
-    info = AgentClient(Settings.from_env()).request({"op": "stats"})
-    assert info["blocks"] == 1 and info["misses"] == 1, "one fetch; every later read a hit"
+    info = AgentClient(Settings.from_env()).stats()
+    assert info.blocks == 1 and info.misses == 1, "one fetch; every later read a hit"
 
 
 def test_listing_info_and_ranges(table: pd.DataFrame) -> None:

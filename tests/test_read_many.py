@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import gpufeed
-from gpufeed.client import SPARSE_FACTOR, Client
+from gpufeed.client import Client
+from gpufeed.client.plan import SPARSE_FACTOR
 from gpufeed.errors import ObjectChanged, ObjectMissing
 from gpufeed.namespace import Namespace
 
@@ -53,7 +54,7 @@ def test_a_sparse_batch_reads_only_its_bytes_then_waits_for_the_blocks(tmp_path:
     got = client.read_many([(handle, start, end) for start, end in spans])
     assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
     assert client.source_bytes == client.direct_bytes == 1000 * len(spans)
-    monkeypatch.setattr(sys.modules["gpufeed.client"], "READ_AROUND_S", 0.0)  # as if READ_AROUND_S had passed: now it waits
+    monkeypatch.setattr(sys.modules["gpufeed.client.reader"], "READ_AROUND_S", 0.0)  # as if READ_AROUND_S had passed: now it waits
     again = client.read_many([(handle, start, end) for start, end in spans])
     assert [bytes(piece) for piece in again] == [data[start:end] for start, end in spans]
     assert client.direct_bytes == 1000 * len(spans)
@@ -127,7 +128,7 @@ def test_a_sparse_batch_read_from_async_code(tmp_path: Path) -> None:
 
 def test_a_batch_bigger_than_one_agent_request_is_sent_in_several(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = mount_big_file(tmp_path)
-    monkeypatch.setattr(sys.modules["gpufeed.client"], "FETCH_BATCH", 3)
+    monkeypatch.setattr(sys.modules["gpufeed.client.reader"], "FETCH_BATCH", 3)
     client = gpufeed.client()
     handle = client.handle("/m/big.bin")
     assert bytes(client.read_many([(handle, 0, len(data))])[0]) == data
@@ -141,7 +142,7 @@ def test_threads_share_the_remembered_handles(tmp_path: Path, monkeypatch: pytes
     for name, content in files.items():
         (root / name).write_bytes(content)
     Namespace().add_mount("/many", f"file://{root}")
-    monkeypatch.setattr(sys.modules["gpufeed.client"], "HANDLE_CACHE", 4)  # evictions all the time
+    monkeypatch.setattr(sys.modules["gpufeed.client.reader"], "HANDLE_CACHE", 4)  # evictions all the time
     client = Client()
 
     def read_all(offset: int) -> bool:
@@ -160,7 +161,7 @@ def test_read_around_hints_pin_nothing(tmp_path: Path) -> None:
     client.read_many([(handle, start, end) for start, end in spans])
     assert client.direct_bytes == 10 * len(spans)
     client._fetch([(handle, [i for i in range(0, BLOCKS, 2)], [])])  # the hinted blocks, now surely fetched
-    assert client.agent.request({"op": "stats"})["pinned_bytes"] == 0
+    assert client.agent.stats().pinned_bytes == 0
 
 
 def test_a_short_read_from_the_source_is_an_error_not_zeros(tmp_path: Path) -> None:

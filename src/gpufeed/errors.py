@@ -1,5 +1,6 @@
 """Exception hierarchy. Every message names what failed and where (mount, path, endpoint),
-because the CLI prints it as the only line a user sees."""
+because the CLI prints it as the only line a user sees. Each class has a stable `code`: the
+agent reports errors by code, and readers raise the same class again (`from_code`)."""
 
 from __future__ import annotations
 
@@ -8,62 +9,90 @@ class GpufeedError(Exception):
     """Base of every error gpufeed raises on purpose; `exit_code` is what the CLI returns."""
 
     exit_code = 1
+    code = "error"
 
 
 class InvalidArgument(GpufeedError, ValueError):
     """Malformed user input: bad URL, bad option, bad path."""
 
     exit_code = 2
+    code = "invalid_argument"
 
 
 class NamespacePathError(GpufeedError):
     """A namespace path that does not exist (no mount, or not in the mount's manifest)."""
 
+    code = "namespace_path"
+
 
 class PathNotFound(NamespacePathError, FileNotFoundError):
-    pass
+    code = "path_not_found"
 
 
 class IsADirectory(NamespacePathError, IsADirectoryError):
-    pass
+    code = "is_a_directory"
 
 
 class MountError(GpufeedError):
     """Mount table problems: unknown mount, overlapping mounts."""
 
+    code = "mount"
+
 
 class MountNotFound(MountError):
-    pass
+    code = "mount_not_found"
 
 
 class MountConflict(MountError):
-    pass
+    code = "mount_conflict"
 
 
 class MetadataError(GpufeedError):
     """The metadata engine (SQLite file or Redis server) cannot be used."""
 
+    code = "metadata"
+
 
 class SourceError(GpufeedError):
     """A store failed to answer; the message names the endpoint and key."""
 
+    code = "source"
+
 
 class SourceUnreachable(SourceError, ConnectionError):
-    pass
+    code = "source_unreachable"
 
 
 class SourceAuthError(SourceError, PermissionError):
-    pass
+    code = "source_auth"
 
 
 class ObjectMissing(SourceError, FileNotFoundError):
     """The manifest lists an object the source no longer has."""
 
+    code = "object_missing"
+
 
 class ObjectChanged(SourceError):
     """The source object's version differs from the manifest's; bytes of two versions never mix."""
+
+    code = "object_changed"
 
 
 class ObjectCorrupted(SourceError):
     """The store kept returning bytes that do not match what it (or the manifest) vouches for:
     an ETag's MD5, a store checksum, a content hash. Never delivered, never cached."""
+
+    code = "object_corrupted"
+
+
+def _codes(cls: type[GpufeedError]) -> dict[str, type[GpufeedError]]:
+    found = {cls.code: cls}
+    for sub in cls.__subclasses__():
+        found.update(_codes(sub))
+    return found
+
+
+def from_code(code: str, message: str) -> GpufeedError:
+    """The error a code names (SourceError for a code this release does not know)."""
+    return _codes(GpufeedError).get(code, SourceError)(message)

@@ -86,7 +86,7 @@ class Prefetcher:
         while (batch := self._queue.get()) is not None:
             try:
                 reply = self.client.prefetch(batch, self._session)
-                self.latency_s = max(0.001, float(reply.get("latency_s", self.latency_s)))
+                self.latency_s = max(0.001, reply.latency_s)
             except GpufeedError:
                 self.errors += 1  # a prefetch is a hint: the read itself will fetch or fail
 

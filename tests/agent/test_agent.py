@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 import gpufeed
-from gpufeed.agent import protocol
-from gpufeed.agent.client import AgentClient, connect, stop_agent
+from gpufeed.rpc import codec
+from gpufeed.rpc.messages import Done, Hello, Shutdown
+from gpufeed.client.connection import AgentClient, gone, connect, stop_agent
 from gpufeed.client import Client
 from gpufeed.config import Settings
 from gpufeed.errors import ObjectChanged
@@ -36,7 +37,7 @@ def make_files(root: Path, count: int, size: int) -> dict[str, bytes]:
 
 
 def stats() -> dict:
-    return AgentClient(Settings.from_env()).request({"op": "stats"})
+    return AgentClient(Settings.from_env()).stats()
 
 
 def block_files(cache: Path) -> list[Path]:
@@ -44,7 +45,7 @@ def block_files(cache: Path) -> list[Path]:
 
 
 def agent_pids(cache: Path) -> list[int]:
-    """Live `gpufeed agent` processes serving `cache` (zombies excluded)."""
+    """Live agent processes (`python -m gpufeed.agent`) serving `cache` (zombies excluded)."""
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -54,7 +55,7 @@ def agent_pids(cache: Path) -> list[int]:
             state = (proc / "stat").read_text().split(") ")[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and b"agent" in cmdline and str(cache).encode() in cmdline:
+        if state != "Z" and b"gpufeed.agent" in cmdline and str(cache).encode() in cmdline:
             pids.append(int(proc.name))
     return pids
 
@@ -74,20 +75,20 @@ def test_cold_then_warm_reads_are_right_and_counted(files: dict[str, bytes], gpu
     for name, data in files.items():
         assert gpufeed.read(f"/data/{name}") == data
     cold = stats()
-    assert (cold["misses"], cold["blocks"]) == (40, 40)
-    assert cold["bytes_fetched"] == sum(map(len, files.values()))
+    assert (cold.misses, cold.blocks) == (40, 40)
+    assert cold.bytes_fetched == sum(map(len, files.values()))
     for name, data in files.items():
         assert gpufeed.read(f"/data/{name}", 100, 1000) == data[100:1100]
     gpufeed.client().hits.flush()
     warm = stats()
-    assert (warm["misses"], warm["hits"]) == (40, 40)
+    assert (warm.misses, warm.hits) == (40, 40)
 
 
 def test_hits_need_no_agent(files: dict[str, bytes], gpufeed_home: Path) -> None:
     client = Client()
     for name in files:
         client.read(f"/data/{name}")
-    AgentClient(client.settings).request({"op": "shutdown"})
+    AgentClient(client.settings).request(Shutdown(), Done)
     deadline = time.monotonic() + 10
     while connect(gpufeed_home / "cache") is not None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -104,14 +105,16 @@ def test_an_agent_of_another_release_is_left_alone_with_one_warning(
     exchanging messages either side could misread, and say how to replace it."""
     started = subprocess.run([sys.executable, "-m", "gpufeed", "agent", "start"], capture_output=True, text=True)
     assert started.returncode == 0, started.stderr
-    monkeypatch.setattr(protocol, "VERSION", protocol.VERSION + 1)  # this reader is the newer release
+    current = codec.VERSION
+    monkeypatch.setattr(codec, "VERSION", current + 1)  # this reader is the newer release
     client = Client()
     with caplog.at_level("WARNING", logger="gpufeed"):
         for name, data in files.items():
             assert client.read(f"/data/{name}") == data
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "another gpufeed release" in warnings[0] and "gpufeed agent stop" in warnings[0]
-    assert (stats()["misses"], block_files(gpufeed_home / "cache")) == (0, []), "nothing went through the old agent"
+    monkeypatch.setattr(codec, "VERSION", current)
+    assert (stats().misses, block_files(gpufeed_home / "cache")) == (0, []), "nothing went through the old agent"
     stopped = subprocess.run([sys.executable, "-m", "gpufeed", "agent", "stop"], capture_output=True, text=True)
     assert stopped.returncode == 0 and connect(gpufeed_home / "cache") is None
 
@@ -122,16 +125,16 @@ def test_multi_block_objects_and_small_blocks(tmp_path: Path) -> None:
     (tmp_path / "big" / "obj").write_bytes(data)
     Namespace().add_mount("/big", f"file://{tmp_path / 'big'}", {"block_size": "4KiB"})
     assert gpufeed.read("/big/obj", 4000, 9000) == data[4000:13000]
-    assert stats()["blocks"] == 4, "only the blocks [4000, 13000) touches"
+    assert stats().blocks == 4, "only the blocks [4000, 13000) touches"
     assert gpufeed.read("/big/obj") == data
-    assert stats()["blocks"] == 11
+    assert stats().blocks == 11
 
 
 def test_one_agent_however_many_clients_race(tmp_path: Path, gpufeed_home: Path) -> None:
     code = """
-        from gpufeed.agent.client import AgentClient
+        from gpufeed.client.connection import AgentClient
         from gpufeed.config import Settings
-        print(AgentClient(Settings.from_env()).hello()["pid"])
+        print(AgentClient(Settings.from_env()).hello().pid)
     """
     racers = [run_python(code, stdout=subprocess.PIPE, text=True) for _ in range(8)]
     pids = {int(p.communicate(timeout=60)[0]) for p in racers}
@@ -189,10 +192,10 @@ def test_corrupted_block_is_repaired(files: dict[str, bytes], gpufeed_home: Path
     raw[-100] ^= 0xFF
     block.write_bytes(bytes(raw))
     assert gpufeed.read("/data/00003.bin") == data
-    assert stats()["repairs"] == 1
+    assert stats().repairs == 1
     os.truncate(block, 50)
     assert gpufeed.read("/data/00003.bin") == data
-    assert stats()["repairs"] == 2
+    assert stats().repairs == 2
 
 
 def test_quota_smaller_than_working_set(files: dict[str, bytes], gpufeed_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,7 +207,7 @@ def test_quota_smaller_than_working_set(files: dict[str, bytes], gpufeed_home: P
         on_disk = sum(p.stat().st_size for p in block_files(gpufeed_home / "cache"))
         assert on_disk <= quota
     info = stats()
-    assert info["bytes"] <= quota and info["evictions"] > 0
+    assert info.bytes <= quota and info.evictions > 0
 
 
 def test_cache_off_mount_writes_no_blocks(tmp_path: Path, gpufeed_home: Path) -> None:
@@ -244,6 +247,61 @@ def test_full_filesystem_serves_uncached_with_one_warning(tmp_path: Path, files:
     finally:
         stop_agent(dataclasses.replace(Settings.from_env(), cache_dirs=(tiny / "cache",)))
         subprocess.run(["umount", "-l", str(tiny)], check=False)
+
+
+def test_a_short_write_on_a_full_disk_shrinks_the_cache_to_what_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A block written short because the disk filled up is disk-full, not a failed read: the
+    partial file goes, the cache evicts, reads are served uncached with one warning, and
+    every read is right. (The evicted files' space comes back once this reader lets go of the
+    files it holds, `cache.openfiles`.)"""
+    files = make_files(tmp_path / "src", 8, 100_000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tiny)], check=True)
+    settings = dataclasses.replace(Settings.from_env(), cache_dirs=(tiny / "cache",))
+    try:
+        with open(tiny / "filler", "wb") as filler:
+            filler.write(b"\0" * (1024 * 1024 - 250 * 1024))  # room for two blocks, and part of a third
+        monkeypatch.setenv("GPUFEED_CACHE_DIRS", str(tiny / "cache"))
+        monkeypatch.setenv("GPUFEED_CACHE_FREE_RATIO", "0")
+        client = Client()
+        with caplog.at_level("WARNING", logger="gpufeed"):
+            for _ in range(2):
+                for name, data in files.items():
+                    assert client.read(f"/data/{name}") == data
+        info = client.agent.stats()
+        assert info.evictions > 0 and info.uncached > 0 and info.bytes <= 250 * 1024
+        assert list((tiny / "cache" / "tmp").iterdir()) == [], "no partial block left behind"
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "cannot hold more blocks" in warnings[0]
+    finally:
+        stop_agent(settings)
+        subprocess.run(["umount", "-l", str(tiny)], check=False)
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "prefetching"])
+def test_sigterm_stops_the_agent_cleanly(tmp_path: Path, gpufeed_home: Path, busy: bool) -> None:
+    """A service manager's SIGTERM ends the agent with exit code 0 and nothing in its log but
+    the start and stop lines, even with a reader connected and prefetches queued."""
+    make_files(tmp_path / "src", 400, 50_000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    client = Client()
+    client.read("/data/00000.bin")
+    if busy:
+        handles = [client.handle(f"/data/{i:05d}.bin") for i in range(1, 400)]
+        client.prefetch([(handle, [0]) for handle in handles], "job")
+    pid = client.agent.stats().pid
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert gone(pid) and connect(gpufeed_home / "cache") is None
+    log = (gpufeed_home / "cache" / "agent.log").read_text()
+    assert "Traceback" not in log and "Error" not in log, log
+    assert f"agent {pid} stopped" in log
 
 
 def test_single_flight_across_processes_and_threads(nginx: HttpServer, tmp_path: Path) -> None:
@@ -289,9 +347,9 @@ def test_a_short_read_from_the_source_is_never_published(tmp_path: Path) -> None
     make_files(root, 1, 100_000)
     Namespace().add_mount("/s", f"file://{root}", {"verify": "never"}, immutable=True)
     os.truncate(root / "00000.bin", 30_000)
-    with pytest.raises(ObjectChanged, match="returned 30000 bytes"):
+    with pytest.raises(ObjectChanged, match="it is 30000 bytes now"):
         gpufeed.read("/s/00000.bin", 1000, 16)
-    assert stats()["blocks"] == 0
+    assert stats().blocks == 0
 
 
 def test_a_block_deleted_behind_the_agents_back_is_fetched_again(files: dict[str, bytes], gpufeed_home: Path) -> None:
@@ -301,13 +359,11 @@ def test_a_block_deleted_behind_the_agents_back_is_fetched_again(files: dict[str
     assert gpufeed.read("/data/00007.bin") == files["00007.bin"], "this process still holds the file"
     other = run_python("import gpufeed, sys; sys.stdout.buffer.write(gpufeed.read('/data/00007.bin'))", stdout=subprocess.PIPE)
     assert other.communicate(timeout=60)[0] == files["00007.bin"]  # one that holds nothing asks the agent
-    assert block.exists() and stats()["misses"] == 2
+    assert block.exists() and stats().misses == 2
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
 def test_another_user_cannot_use_the_agent(files: dict[str, bytes], gpufeed_home: Path) -> None:
-    from gpufeed.agent import protocol
-
     gpufeed.read("/data/00001.bin")
     child = os.fork()
     if child == 0:  # become nobody, then ask the agent for its stats
@@ -317,8 +373,8 @@ def test_another_user_cannot_use_the_agent(files: dict[str, bytes], gpufeed_home
             os.setuid(65534)
             sock = connect(gpufeed_home / "cache", 5)
             assert sock is not None
-            sock.sendall(protocol.encode({"op": "stats"}))
-            protocol.recv(sock)
+            sock.sendall(codec.frame(Hello(codec.VERSION)))
+            codec.recv_reply(sock)
         except ConnectionError:
             code = 7
         finally:
@@ -333,7 +389,7 @@ def test_threads_racing_to_start_the_agent_spawn_it_once(gpufeed_home: Path) -> 
 
     client = AgentClient(Settings.from_env())
     pids: list[int] = []
-    threads = [threading.Thread(target=lambda: pids.append(client.request({"op": "hello"})["pid"])) for _ in range(16)]
+    threads = [threading.Thread(target=lambda: pids.append(client.stats().pid)) for _ in range(16)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -352,4 +408,4 @@ def test_the_agent_reads_with_the_callers_credentials(bucket: Bucket, gpufeed_ho
     started = subprocess.run([sys.executable, "-m", "gpufeed", "agent", "start"], env=env, capture_output=True, text=True)
     assert started.returncode == 0, started.stderr
     assert gpufeed.read("/s3/k.bin") == b"payload"
-    assert stats()["misses"] == 1, "the agent fetched it"
+    assert stats().misses == 1, "the agent fetched it"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.agent.client import HIT_CHECK_EVERY, AgentClient
+from gpufeed.client.connection import HIT_CHECK_EVERY, AgentClient
 from gpufeed.cache.openfiles import DELETIONS, capacity_for
 from gpufeed.client import Client
 from gpufeed.namespace import Namespace
@@ -66,7 +66,7 @@ def test_a_cleared_cache_is_let_go_at_the_next_open(files: dict[str, bytes]) -> 
     client = Client()
     *held, last = sorted(files)
     read_all(client, files, held)
-    AgentClient(client.settings).request({"op": "clear"})
+    AgentClient(client.settings).clear()
     assert len(deleted(block_fds())) == len(held), "held until this reader looks"
     read_all(client, files, [last])  # a file it never opened: opening it looks
     assert deleted(block_fds()) == []
@@ -75,7 +75,7 @@ def test_a_cleared_cache_is_let_go_at_the_next_open(files: dict[str, bytes]) -> 
 def test_a_reader_that_only_hits_lets_go_within_a_few_dozen_hits(files: dict[str, bytes]) -> None:
     reader = Client()
     read_all(reader, files)
-    AgentClient(reader.settings).request({"op": "clear"})
+    AgentClient(reader.settings).clear()
     other = subprocess.run([sys.executable, "-c", REFETCH], capture_output=True, text=True)
     assert other.returncode == 0, other.stderr  # the blocks are back, as new files; the reader holds the old
     assert len(deleted(block_fds())) >= len(files)
@@ -134,7 +134,7 @@ def test_what_a_hit_hands_out_is_a_copy_that_holds_no_file(files: dict[str, byte
     client.read_range(handle, 0, handle.size)  # a miss: the agent fetches, this process maps it
     views = [client.read_range(handle, 100, 3000) for _ in range(3)]
     assert all(type(view.obj) is bytes and view == files["00001.bin"][100:3000] for view in views)
-    AgentClient(client.settings).request({"op": "clear"})
+    AgentClient(client.settings).clear()
     read_all(client, files, ["00002.bin"])  # opening a file looks, and lets go of the rest
     assert deleted(block_fds()) == []
     assert views[0] == files["00001.bin"][100:3000]
@@ -174,10 +174,10 @@ def test_threads_read_right_bytes_while_the_cache_is_cleared_under_them(files: d
     agent = AgentClient(client.settings)
     for _ in range(10):
         read_all(Client(), files)
-        agent.request({"op": "clear"})
+        agent.clear()
     done.set()
     for thread in threads:
         thread.join(timeout=60)
     assert failures == []
-    stats = agent.request({"op": "stats"})
-    assert stats["evictions"] >= len(files) and stats["repairs"] == 0, "no file was misread as damaged"
+    stats = agent.stats()
+    assert stats.evictions >= len(files) and stats.repairs == 0, "no file was misread as damaged"

@@ -8,18 +8,24 @@ from pathlib import Path
 import pytest
 
 from gpufeed.cache import blockfile
-from gpufeed.cache.layout import CHUNK, BlockRef, CorruptBlock, header_length, object_id
+from gpufeed.blocks import CHUNK, CorruptBlock, ObjectBlocks, header_length, object_blocks
+from gpufeed.cache.layout import BlockRef
+from gpufeed.sources.base import ObjectInfo
 from gpufeed.cache.openfiles import OpenBlocks
 
 
+def identity(size: int, block_size: int = 4 << 20, key: str = "key") -> ObjectBlocks:
+    return object_blocks("file:///src", {}, ObjectInfo(key, size, 0.0, "v1"), block_size, True)
+
+
 def ref(tmp_path: Path, size: int, verify: bool = True, block_size: int = 4 << 20) -> BlockRef:
-    return BlockRef.of((tmp_path,), object_id("src", "key", "v1", block_size, True), block_size, size, verify, OpenBlocks(Path("/nonexistent"), 0))
+    return BlockRef.of((tmp_path,), identity(size, block_size), verify, OpenBlocks(Path("/nonexistent"), 0))
 
 
 def test_round_trip_any_range(tmp_path: Path) -> None:
     data = os.urandom(3 * CHUNK + 1000)
     r = ref(tmp_path, len(data))
-    written = blockfile.publish(Path(r.path(0)), data)
+    written = blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
     assert written == header_length(len(data)) + len(data) == Path(r.path(0)).stat().st_size
     for start, end in [(0, len(data)), (5, 17), (CHUNK - 1, CHUNK + 1), (2 * CHUNK, len(data)), (len(data) - 1, len(data))]:
         assert bytes(blockfile.read(r, 0, start, end)) == data[start:end]
@@ -27,15 +33,37 @@ def test_round_trip_any_range(tmp_path: Path) -> None:
 
 
 def test_names_depend_on_version_block_size_and_version_checking() -> None:
-    names = {object_id("s", "k", v, b, c) for v in ("v1", "v2") for b in (1 << 20, 4 << 20) for c in (True, False)}
-    assert len(names) == 8
+    names = {
+        object_blocks("s3://b/p", {"endpoint": e}, ObjectInfo("k", 10, 0.0, v), b, c).oid
+        for v in ("v1", "v2")
+        for b in (1 << 20, 4 << 20)
+        for c in (True, False)
+        for e in ("http://a", "http://b")
+    }
+    assert len(names) == 16
+
+
+def test_a_valid_block_of_another_object_under_a_blocks_name_is_corrupt(tmp_path: Path) -> None:
+    """The header records the block's identity: a whole, checksummed block of another object (or
+    another index) copied under this name is discarded like a flipped byte."""
+    data = os.urandom(3 * CHUNK)
+    mine = BlockRef.of((tmp_path,), identity(len(data)), True, OpenBlocks(Path("/nonexistent"), 0))
+    other = BlockRef.of((tmp_path,), identity(len(data), key="other"), True, OpenBlocks(Path("/nonexistent"), 0))
+    blockfile.publish(Path(mine.path(0)), other.blocks.block(0), data)
+    with pytest.raises(CorruptBlock):
+        blockfile.read(mine, 0, 0, 10)
+    blockfile.publish(Path(mine.path(0)), mine.blocks.block(1), data)
+    with pytest.raises(CorruptBlock):
+        blockfile.read(mine, 0, CHUNK, CHUNK + 10)
+    blockfile.publish(Path(mine.path(0)), mine.blocks.block(0), data)
+    assert bytes(blockfile.read(mine, 0, 0, 10)) == data[:10]
 
 
 @pytest.mark.parametrize("offset", [0, 10, 24, 100, CHUNK + 50])
 def test_a_flipped_byte_is_detected(tmp_path: Path, offset: int) -> None:
     data = os.urandom(2 * CHUNK)
     r = ref(tmp_path, len(data))
-    blockfile.publish(Path(r.path(0)), data)
+    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
     with open(Path(r.path(0)), "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
@@ -52,7 +80,7 @@ def test_a_flipped_byte_is_detected(tmp_path: Path, offset: int) -> None:
 def test_a_block_of_the_wrong_size_is_detected_with_and_without_verify(tmp_path: Path, verify: bool, change: int) -> None:
     data = os.urandom(1000)
     r = ref(tmp_path, len(data), verify)
-    blockfile.publish(Path(r.path(0)), data)
+    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
     os.truncate(Path(r.path(0)), header_length(len(data)) + len(data) + change)
     if verify and change > 0:  # the checksums prove the bytes asked for; trailing junk is harmless
         assert bytes(blockfile.read(r, 0, 0, 1000)) == data
@@ -64,7 +92,7 @@ def test_a_block_of_the_wrong_size_is_detected_with_and_without_verify(tmp_path:
 def test_verify_never_skips_checksums(tmp_path: Path) -> None:
     data = b"a" * 1000
     r = ref(tmp_path, len(data), verify=False)
-    blockfile.publish(Path(r.path(0)), data)
+    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
     with open(Path(r.path(0)), "r+b") as f:
         f.seek(header_length(1000) + 10)
         f.write(b"Z")
@@ -79,7 +107,7 @@ def test_missing_block_is_file_not_found(tmp_path: Path) -> None:
 def test_an_open_reader_survives_unlink(tmp_path: Path) -> None:
     data = os.urandom(5000)
     r = ref(tmp_path, len(data))
-    blockfile.publish(Path(r.path(0)), data)
+    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
     fd = os.open(Path(r.path(0)), os.O_RDONLY)
     os.unlink(Path(r.path(0)))
     assert os.pread(fd, 5000, header_length(5000)) == data

@@ -10,13 +10,19 @@ from pathlib import Path
 import pytest
 
 from gpufeed.cache import blockfile
-from gpufeed.cache.layout import HEAD_SIZE, SMALL_HEAD, BlockRef, CorruptBlock, object_id
+from gpufeed.blocks import HEAD_SIZE, SMALL_HEAD, CorruptBlock, ObjectBlocks, object_blocks
+from gpufeed.cache.layout import BlockRef
+from gpufeed.sources.base import ObjectInfo
 from gpufeed.cache.openfiles import DeletionCounter, OpenBlocks
 
 
+def identity(size: int, block_size: int = 4 << 20, key: str = "key") -> ObjectBlocks:
+    return object_blocks("file:///src", {}, ObjectInfo(key, size, 0.0, "v1"), block_size, True)
+
+
 def published(root: Path, data: bytes) -> BlockRef:
-    r = BlockRef.of((root,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, len(data), True, OpenBlocks(Path("/nonexistent"), 0))
-    blockfile.publish(Path(r.path(0)), data)
+    r = BlockRef.of((root,), identity(len(data), 4 << 20), True, OpenBlocks(Path("/nonexistent"), 0))
+    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
     return r
 
 
@@ -39,14 +45,14 @@ def test_reads_any_range(tmp_path: Path, size: int) -> None:
 
 
 def test_missing_block_is_file_not_found(tmp_path: Path) -> None:
-    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, 10, True, OpenBlocks(Path("/nonexistent"), 0))
+    r = BlockRef.of((tmp_path,), identity(10, 4 << 20), True, OpenBlocks(Path("/nonexistent"), 0))
     with pytest.raises(FileNotFoundError) as caught:
         blockfile.read(r, 0, 0, 10)
     assert caught.value.filename == r.path(0)
 
 
 def test_a_read_error_is_an_os_error_not_a_corrupt_block(tmp_path: Path) -> None:
-    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, 10, True, OpenBlocks(Path("/nonexistent"), 0))
+    r = BlockRef.of((tmp_path,), identity(10, 4 << 20), True, OpenBlocks(Path("/nonexistent"), 0))
     os.makedirs(r.path(0))
     with pytest.raises(IsADirectoryError):
         blockfile.read(r, 0, 0, 10)
@@ -95,10 +101,20 @@ def test_a_whole_small_object_is_handed_out_without_a_copy(tmp_path: Path) -> No
 
 
 def test_only_verified_one_chunk_objects_take_the_small_path(tmp_path: Path) -> None:
-    oid = object_id("src", "key", "v1", 4 << 20, True)
-    assert BlockRef.of((tmp_path,), oid, 4 << 20, 256 * 1024 + 1, True, OpenBlocks(Path("/nonexistent"), 0)).small_header is None
-    assert BlockRef.of((tmp_path,), oid, 4 << 20, 1000, False, OpenBlocks(Path("/nonexistent"), 0)).small_header is None
-    assert BlockRef.of((tmp_path,), oid, 4096, 5000, True, OpenBlocks(Path("/nonexistent"), 0)).small_header is None
+    none = OpenBlocks(Path("/nonexistent"), 0)
+    assert BlockRef.of((tmp_path,), identity(256 * 1024 + 1), True, none).small_header is None
+    assert BlockRef.of((tmp_path,), identity(1000), False, none).small_header is None
+    assert BlockRef.of((tmp_path,), identity(5000, 4096), True, none).small_header is None
+
+
+def test_a_valid_small_block_of_another_object_is_corrupt(tmp_path: Path) -> None:
+    data = os.urandom(1000)
+    r = published(tmp_path, data)
+    other = identity(len(data), key="other")
+    blockfile.publish(Path(r.path(0)), other.block(0), data)
+    assert r.small_header is not None
+    with pytest.raises(CorruptBlock):
+        blockfile.read_one_chunk(r.files, r.small_path, r.object_size, r.small_header)
 
 
 @pytest.mark.parametrize("size", [100_000, 600_000], ids=["one chunk", "three chunks"])
@@ -108,11 +124,11 @@ def test_a_held_file_found_damaged_gives_way_to_its_repair(tmp_path: Path, size:
     DeletionCounter.create(tmp_path)
     files = OpenBlocks(tmp_path, 10)
     data = os.urandom(size)
-    r = BlockRef.of((tmp_path,), object_id("src", "key", "v1", 4 << 20, True), 4 << 20, size, True, files)
-    blockfile.publish(Path(r.path(0)), data)
+    r = BlockRef.of((tmp_path,), identity(size, 4 << 20), True, files)
+    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
     assert blockfile.read(r, 0, 0, size) == data and r.path(0) in files.held
     flip(r.path(0), SMALL_HEAD + 5)  # the held file is damaged in place...
-    blockfile.publish(Path(r.path(0)), data)  # ...and the agent's repair renamed a new one over it
+    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)  # ...and the agent's repair renamed a new one over it
     assert blockfile.read(r, 0, 0, size) == data
     flip(r.path(0), SMALL_HEAD + 5)
     with pytest.raises(CorruptBlock):

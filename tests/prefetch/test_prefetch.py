@@ -14,7 +14,7 @@ from gpufeed.namespace import Namespace
 
 
 def agent_stats() -> dict:
-    return gpufeed.client().agent.request({"op": "stats"})
+    return gpufeed.client().agent.stats()
 
 
 def wait_for(condition, what: str, timeout: float = 20.0) -> dict:
@@ -43,13 +43,13 @@ def test_blocks_are_fetched_before_they_are_read(files: list[str]) -> None:
     order = list(reversed(files))
     iterator = prefetcher.ahead(order, Read)
     first = next(iterator)
-    wait_for(lambda s: s["prefetched"] == 60, "the whole window")
+    wait_for(lambda s: s.prefetched == 60, "the whole window")
     got = [first, *iterator]
     assert got == order, "items come back unchanged and in order"
     for path in got:
         client.read(path)
     assert client.source_bytes == 0, "no read had to fetch: every block was there"
-    assert agent_stats()["misses"] == 60
+    assert agent_stats().misses == 60
     prefetcher.close()
 
 
@@ -57,12 +57,12 @@ def test_the_window_is_bounded_in_bytes(files: list[str]) -> None:
     prefetcher = Prefetcher(gpufeed.client(), min_bytes=5000, max_bytes=5000)
     iterator = prefetcher.ahead(files, Read)
     next(iterator)
-    stats = wait_for(lambda s: s["prefetched"] >= 5, "five files")
+    stats = wait_for(lambda s: s.prefetched >= 5, "five files")
     time.sleep(0.2)  # nothing more may arrive while the consumer stands still
-    assert agent_stats()["prefetched"] <= 6, stats
+    assert agent_stats().prefetched <= 6, stats
     for _ in range(10):
         next(iterator)
-    wait_for(lambda s: s["prefetched"] >= 15, "the window to slide")
+    wait_for(lambda s: s.prefetched >= 15, "the window to slide")
     prefetcher.close()
 
 
@@ -70,9 +70,9 @@ def test_ending_the_iteration_releases_pins_and_drops_queued_work(files: list[st
     prefetcher = Prefetcher(gpufeed.client())
     iterator = prefetcher.ahead(files, Read)
     next(iterator)
-    wait_for(lambda s: s["pinned_bytes"] > 0, "pinned blocks")
+    wait_for(lambda s: s.pinned_bytes > 0, "pinned blocks")
     iterator.close()
-    wait_for(lambda s: s["pinned_bytes"] == 0, "pins to be released")
+    wait_for(lambda s: s.pinned_bytes == 0, "pins to be released")
     prefetcher.close()
 
 
@@ -82,9 +82,9 @@ def test_read_blocks_are_unpinned_and_unknown_items_are_passed_through(files: li
     items = ["not a file", *files[:3]]
     iterator = prefetcher.ahead(items, lambda item: Read(item) if item.startswith("/") else None)
     assert next(iterator) == "not a file"
-    wait_for(lambda s: s["prefetched"] == 3, "three files")
+    wait_for(lambda s: s.prefetched == 3, "three files")
     for path in iterator:
         client.read(path)
     client.hits.flush()
-    wait_for(lambda s: s["pinned_bytes"] == 0, "read blocks to be unpinned")
+    wait_for(lambda s: s.pinned_bytes == 0, "read blocks to be unpinned")
     prefetcher.close()

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from gpufeed.agent.client import stop_agent
+from gpufeed.client.connection import stop_agent
 from gpufeed.bench.dataset import Dataset
 from gpufeed.client import Client, ObjectHandle
 from gpufeed.config import Settings
@@ -232,7 +232,7 @@ def _cached(run: RunContext) -> Iterator[Prepared]:
 
     try:
         def fetched() -> int:
-            return int(client.agent.request({"op": "stats"})["bytes_fetched"])
+            return client.agent.stats().bytes_fetched
 
         yield Prepared(NamespaceReaderSpec(run.settings, dataset.paths), ahead=ahead, source_bytes=fetched)
     finally:

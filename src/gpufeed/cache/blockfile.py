@@ -8,6 +8,7 @@ lets readers hold block files open between hits (`openfiles`).
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import uuid
@@ -15,7 +16,8 @@ from pathlib import Path
 
 from xxhash import xxh3_64_intdigest
 
-from gpufeed.cache.layout import CHUNK, HEAD_SIZE, SMALL_HEAD, SUM, BlockRef, CorruptBlock, encode, small_header, verify
+from gpufeed.blocks import CHUNK, HEAD_SIZE, SMALL_HEAD, SUM, BlockId, CorruptBlock, encode, verify
+from gpufeed.cache.layout import BlockRef
 from gpufeed.cache.openfiles import Held, OpenBlocks
 
 
@@ -81,7 +83,7 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
         length = ref.block_size
     path = f"{ref.prefix}{index}"
     if length <= CHUNK and ref.verify:  # one chunk (every small object): two preads, no chunk arithmetic
-        return read_one_chunk(ref.files, path, length, small_header(length))[start:end]
+        return read_one_chunk(ref.files, path, length, BlockId(ref.oid, index).fixed_header(length))[start:end]
     head = HEAD_SIZE + 8 * (-(-length // CHUNK) or 1)
     files = ref.files
     held = files.held.get(path)
@@ -91,11 +93,11 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
         if held is None:
             fd = os.open(path, os.O_RDONLY)
             try:
-                return _read_unmapped(fd, ref.verify, head, length, start, end)
+                return _read_unmapped(fd, ref, index, head, length, start, end)
             finally:
                 os.close(fd)
     try:
-        return _read_mapped(held, ref.verify, head, length, start, end)
+        return _read_mapped(held, ref, index, head, length, start, end)
     except CorruptBlock:
         files.forget(path)
         if not opened:  # a repair may have replaced the damaged file since: read the one there
@@ -103,21 +105,21 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
         raise
 
 
-def _read_mapped(held: Held, checked: bool, head: int, length: int, start: int, end: int) -> memoryview:
+def _read_mapped(held: Held, ref: BlockRef, index: int, head: int, length: int, start: int, end: int) -> memoryview:
     """The wanted bytes copied out of a held block's mapping, the chunks they lie in verified
     in place first (hashing a whole 256 KiB chunk where it lies costs less than copying it)."""
     mapped = held.mapped
     if len(mapped) != head + length or held.map.size() != len(mapped):  # before touching it
         raise CorruptBlock("wrong size")
-    if checked:
+    if ref.verify:
         first = start // CHUNK
         lo, hi = first * CHUNK, min(length, -(-end // CHUNK) * CHUNK)
-        verify(mapped[:head], length, mapped[head + lo : head + hi], first)
+        verify(mapped[:head], BlockId(ref.oid, index).fixed_header(length), mapped[head + lo : head + hi], first)
     return memoryview(bytes(mapped[head + start : head + end]))
 
 
-def _read_unmapped(fd: int, checked: bool, head: int, length: int, start: int, end: int) -> memoryview:
-    if not checked:  # trust the bytes, not the length: a block of another size is damaged
+def _read_unmapped(fd: int, ref: BlockRef, index: int, head: int, length: int, start: int, end: int) -> memoryview:
+    if not ref.verify:  # trust the bytes, not the length: a block of another size is damaged
         if os.fstat(fd).st_size != head + length:
             raise CorruptBlock("wrong size")
         return memoryview(os.pread(fd, end - start, head + start))
@@ -134,7 +136,7 @@ def _read_unmapped(fd: int, checked: bool, head: int, length: int, start: int, e
         header, chunks = memoryview(os.pread(fd, head, 0)), _pread(fd, hi - lo, head + lo, scratch)
     if len(chunks) != hi - lo:
         raise CorruptBlock("truncated")
-    verify(header, length, chunks, first)
+    verify(header, BlockId(ref.oid, index).fixed_header(length), chunks, first)
     wanted = chunks[start - lo : end - lo]
     return memoryview(bytes(wanted)) if scratch else wanted
 
@@ -155,9 +157,9 @@ def _pread(fd: int, size: int, offset: int, scratch: bool) -> memoryview:
     return buffer[: os.preadv(fd, [buffer[:size]], offset)]
 
 
-def publish(path: Path, data: memoryview | bytes) -> int:
+def publish(path: Path, block: BlockId, data: memoryview | bytes) -> int:
     """Atomically place a block file; returns the bytes it occupies. Raises OSError (ENOSPC…)."""
-    header, view = encode(data)
+    header, view = encode(block, data)
     tmp_dir = path.parent.parent.parent / "tmp"
     tmp = tmp_dir / f"{path.name}.{uuid.uuid4().hex[:8]}"
     try:
@@ -168,8 +170,8 @@ def publish(path: Path, data: memoryview | bytes) -> int:
     try:
         try:
             written = os.writev(fd, [header, view])
-            if written != len(header) + len(view):
-                raise OSError(f"short write to {tmp}")
+            if written != len(header) + len(view):  # a regular file is written short only when the disk is full
+                raise OSError(errno.ENOSPC, f"short write ({written} of {len(header) + len(view)} bytes)", str(tmp))
         finally:
             os.close(fd)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,9 @@ from typing import Optional
 
 import typer
 
-from gpufeed.agent.client import AgentClient, connect, stop_agent
-from gpufeed.agent.server import AgentConfig, run_agent
+from gpufeed.client.connection import AgentClient, connect, stop_agent
+from gpufeed.agent.manager import AgentConfig
+from gpufeed.agent.service import run_agent
 from gpufeed.cli.console import human_bytes, out
 from gpufeed.config import Settings, parse_size
 
@@ -57,8 +58,8 @@ def start(ctx: typer.Context) -> None:
         return
     agent = AgentClient(settings)
     agent.start(None).close()
-    info = agent.request({"op": "hello"}, start=False)
-    out.print(f"agent {info['pid']} serving {', '.join(info['dirs'])}", highlight=False)
+    info = agent.stats(start=False)
+    out.print(f"agent {info.pid} serving {', '.join(info.dirs)}", highlight=False)
 
 
 @app.command()
@@ -79,10 +80,10 @@ def status(ctx: typer.Context) -> None:
         out.print(f"no agent running for {primary}", highlight=False)
         raise typer.Exit(1)
     sock.close()
-    info = AgentClient(settings).request({"op": "stats"})
+    info = AgentClient(settings).stats()
     out.print(
-        f"agent {info['pid']} serving {', '.join(info['dirs'])}: {info['blocks']} blocks, "
-        f"{human_bytes(info['bytes'])} of {human_bytes(info['limit'])}, {info['clients']} clients, "
-        f"up {info['uptime_s']:.0f} s",
+        f"agent {info.pid} serving {', '.join(info.dirs)}: {info.blocks} blocks, "
+        f"{human_bytes(info.bytes)} of {human_bytes(info.limit)}, {info.clients} clients, "
+        f"up {info.uptime_s:.0f} s",
         highlight=False,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from gpufeed.agent.client import AgentClient
+from gpufeed.client.connection import AgentClient
 from gpufeed.cli.console import human_bytes, out
 from gpufeed.client import Client
 from gpufeed.config import Settings
@@ -17,19 +17,19 @@ app = typer.Typer(help="Inspect and manage the node cache.", no_args_is_help=Tru
 def stats() -> None:
     """Size, blocks, hits, misses, bytes fetched and repairs (starts the agent if needed)."""
     client = Client()
-    info = client.agent.request({"op": "stats"})
+    info = client.agent.stats()
     table = Table(box=None, show_header=False)
-    reads = info["hits"] + info["misses"]
+    reads = info.hits + info.misses
     rows = [
-        ("cache dirs", ", ".join(info["dirs"])),
-        ("size", f"{human_bytes(info['bytes'])} of {human_bytes(info['limit'])} (quota {human_bytes(info['quota'])})"),
-        ("blocks", str(info["blocks"])),
-        ("hits", f"{info['hits']}" + (f" ({info['hits'] / reads:.1%})" if reads else "")),
-        ("misses", str(info["misses"])),
-        ("bytes fetched", human_bytes(info["bytes_fetched"])),
-        ("repairs", str(info["repairs"])),
-        ("evictions", str(info["evictions"])),
-        ("served uncached", str(info["uncached"])),
+        ("cache dirs", ", ".join(info.dirs)),
+        ("size", f"{human_bytes(info.bytes)} of {human_bytes(info.limit)} (quota {human_bytes(info.quota)})"),
+        ("blocks", str(info.blocks)),
+        ("hits", f"{info.hits}" + (f" ({info.hits / reads:.1%})" if reads else "")),
+        ("misses", str(info.misses)),
+        ("bytes fetched", human_bytes(info.bytes_fetched)),
+        ("repairs", str(info.repairs)),
+        ("evictions", str(info.evictions)),
+        ("served uncached", str(info.uncached)),
     ]
     for name, value in rows:
         table.add_row(name, value)
@@ -39,8 +39,8 @@ def stats() -> None:
 @app.command()
 def clear() -> None:
     """Drop every cached block (sources are untouched)."""
-    reply = AgentClient(Settings.from_env()).request({"op": "clear"})
-    out.print(f"cleared {human_bytes(reply['removed_bytes'])}", highlight=False)
+    removed = AgentClient(Settings.from_env()).clear()
+    out.print(f"cleared {human_bytes(removed)}", highlight=False)
 
 
 @app.command("ls")

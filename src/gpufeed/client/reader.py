@@ -10,7 +10,6 @@ no agent) the bytes come from the source.
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import os
 import threading
@@ -21,15 +20,18 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from gpufeed.agent.client import AgentClient, AgentUnavailable, HitReporter
-from gpufeed.agent.protocol import error_from
+from gpufeed.blocks import CorruptBlock, ObjectBlocks, object_blocks
 from gpufeed.cache import blockfile, openfiles
-from gpufeed.cache.layout import BlockRef, CorruptBlock, block_length, block_name, block_path, object_id
+from gpufeed.cache.layout import BlockRef, block_path
 from gpufeed.cache.openfiles import OpenBlocks
+from gpufeed.client import plan
+from gpufeed.client.connection import AgentClient, AgentUnavailable, HitReporter
+from gpufeed.client.file import FeedFile
 from gpufeed.config import Settings
-from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing
+from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing, from_code
 from gpufeed.meta import Mount
-from gpufeed.namespace import CachePolicy, FileStat, Namespace, source_identity, source_options
+from gpufeed.namespace import CachePolicy, FileStat, Namespace, source_options
+from gpufeed.rpc.messages import Cancel, Credentials, Done, Fetch, Fetched, Group, ObjectWant, Prefetch, Queued, SourceSpec
 from gpufeed.sources import ObjectInfo, Source
 from gpufeed.sources.stores import caller_credentials
 
@@ -48,11 +50,6 @@ later is queued behind others because the store's bandwidth is short: reading ra
 it would take that bandwidth from the blocks, and the cache would never warm."""
 READ_AROUND_MEMORY = 65536
 """Blocks a client remembers having read around."""
-SPARSE_FACTOR = 4
-"""A batch of reads missing several blocks that hold at least this many times the bytes it wants
-(random samples from big record files: 100 KB from each of 50 different 4 MiB blocks) reads
-those bytes from the source, all at once, and leaves the blocks to the agent: waiting for
-the blocks would move the whole 200 MB first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,9 +125,9 @@ class Client:
         policy = CachePolicy.of(mount, self.settings)
         blocks = None
         if policy.enabled and info.size > 0 and (dirs := self._cache_dirs()) is not None:
-            oid = object_id(source_identity(mount.url, mount.options), info.key, info.version, policy.block_size, not mount.immutable)
+            identity = object_blocks(mount.url, source_options(mount), info, policy.block_size, not mount.immutable)
             assert self._files is not None
-            blocks = BlockRef.of(dirs, oid, policy.block_size, info.size, policy.verify, self._files)
+            blocks = BlockRef.of(dirs, identity, policy.verify, self._files)
         handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, blocks)
         if mount.max_age is None and (blocks is not None or not policy.enabled or info.size == 0):
             with self._lock:
@@ -158,9 +155,8 @@ class Client:
     def _direct(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
         if end <= start:
             return memoryview(b"")
-        expect = None if handle.mount.immutable else handle.info
         try:
-            data = handle.source.get_range(handle.info.key, start, end, expect)
+            data = handle.source.get_range(handle.info.key, start, end, handle.info, conditional=not handle.mount.immutable)
         except (ObjectMissing, ObjectChanged) as exc:
             raise self._explain(handle, exc) from exc
         return self._counted(handle, data, start, end)
@@ -217,12 +213,12 @@ class Client:
             data = blockfile.read(ref, first, start - base, end - base)
         except (FileNotFoundError, CorruptBlock):
             return None
-        self.hits.record(block_name(ref.oid, first))
+        self.hits.record(f"{ref.oid}-{first}")  # BlockId.name, without building one on every hit
         return data
 
     def _read_misses(self, reads: Sequence[tuple[ObjectHandle, int, int]]) -> list[memoryview]:
         """Each read split at block bounds; pieces on disk are read, the rest fetched at once:
-        by the agent in one request, or, for a sparse batch (see SPARSE_FACTOR), straight
+        by the agent in one request, or, for a sparse batch (see `plan.SPARSE_FACTOR`), straight
         from the source while the agent caches the blocks for later reads."""
         pieces: dict[tuple[int, int], memoryview] = {}
         absent: dict[tuple[int, int], tuple[int, int]] = {}  # (read, block) -> object range
@@ -235,11 +231,10 @@ class Client:
                     absent[(n, 0)] = (start, end)
                 continue
             size = ref.block_size
-            for index in range(start // size, (end - 1) // size + 1) if end > start else ():
-                lo, hi = max(start, index * size), min(end, (index + 1) * size)
+            for index, lo, hi in plan.pieces(ref.blocks, start, end):
                 try:
                     pieces[(n, index)] = blockfile.read(ref, index, lo - index * size, hi - index * size)
-                    self.hits.record(block_name(ref.oid, index))
+                    self.hits.record(ref.blocks.block(index).name)
                     continue
                 except FileNotFoundError:
                     repair = False
@@ -279,7 +274,7 @@ class Client:
         blocks: dict[str, tuple[ObjectHandle, dict[int, None], list[int]]],
     ) -> set[tuple[str, int]]:
         """The missing blocks whose pieces this batch reads straight from the source (see
-        SPARSE_FACTOR), after asking the agent to cache them; the rest it waits for. A block
+        `plan.SPARSE_FACTOR`), after asking the agent to cache them; the rest it waits for. A block
         is read around for READ_AROUND_S after this process first did so; later reads of it
         wait for the agent."""
         now = time.monotonic()
@@ -289,9 +284,8 @@ class Client:
             for oid, (_, wanted, repairs) in blocks.items()
             for index in wanted
             if now - since.get((oid, index), now) < READ_AROUND_S and index not in repairs
+            and blocks[oid][0].info.content_hash is None  # its blocks are cached only once the whole object is checked
         }
-        if len(fresh) < 2:
-            return set()
         block_bytes = 0
         for oid, index in fresh:
             ref = blocks[oid][0].blocks
@@ -300,7 +294,7 @@ class Client:
         wanted_bytes = sum(
             hi - lo for (n, index), (lo, hi) in absent.items() if (ref := reads[n][0].blocks) and (ref.oid, index) in fresh
         )
-        if block_bytes < SPARSE_FACTOR * wanted_bytes:
+        if not plan.is_sparse(len(fresh), block_bytes, wanted_bytes):
             return set()
         self._hint([(blocks[oid][0], [index], []) for oid, index in fresh])
         with self._lock:
@@ -317,17 +311,7 @@ class Client:
             return memoryview(b"")
         if handle.blocks is None:
             return pieces[(n, 0)]
-        size = handle.blocks.block_size
-        first, last = start // size, (end - 1) // size
-        if first == last:
-            return pieces[(n, first)]
-        out = bytearray(end - start)
-        position = 0
-        for index in range(first, last + 1):
-            piece = pieces[(n, index)]
-            out[position : position + len(piece)] = piece
-            position += len(piece)
-        return memoryview(out)
+        return plan.join([pieces[(n, index)] for index in handle.blocks.blocks.span(start, end)], end - start)
 
     def _direct_many(self, ranges: dict[tuple[int, int], tuple[ObjectHandle, int, int]]) -> dict[tuple[int, int], memoryview]:
         """Source reads, up to DIRECT_CONCURRENCY in flight at once (one ranged GET each)."""
@@ -347,48 +331,44 @@ class Client:
             return dict(zip(ranges, thread.submit(asyncio.run, gather()).result(), strict=True))
 
     async def _direct_async(self, handle: ObjectHandle, start: int, end: int, slots: asyncio.Semaphore) -> memoryview:
-        expect = None if handle.mount.immutable else handle.info
         try:
             async with slots:
-                data = await handle.source.get_range_async(handle.info.key, start, end, expect)
+                data = await handle.source.get_range_async(
+                    handle.info.key, start, end, handle.info, conditional=not handle.mount.immutable
+                )
         except (ObjectMissing, ObjectChanged) as exc:
             raise self._explain(handle, exc) from exc
         return self._counted(handle, data, start, end)
 
     @staticmethod
-    def _groups(wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> tuple[list[dict], list[ObjectHandle]]:
+    def _groups(wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> tuple[list[Group], list[ObjectHandle]]:
         """Agent request groups: per source, the objects and which of their blocks to fetch
         (and which to repair); and the objects in the order the agent numbers them."""
-        groups: dict[tuple[str, str], tuple[dict, list[ObjectHandle]]] = {}
+        groups: dict[tuple[str, str], tuple[Group, list[ObjectHandle]]] = {}
         for handle, blocks, repair in wanted:
             info, mount = handle.info, handle.mount
             assert handle.blocks is not None
             options = source_options(mount)
-            group, members = groups.setdefault(
-                (mount.url, repr(sorted(options.items()))),
-                ({"source": {"url": mount.url, "options": {**options, **caller_credentials(mount.url, options)}}, "objects": []}, []),
-            )
+            key = (mount.url, repr(sorted(options.items())))
+            if key not in groups:
+                credentials = Credentials(caller_credentials(mount.url, options))
+                groups[key] = (Group(SourceSpec(mount.url, options), [], credentials), [])
+            group, members = groups[key]
             members.append(handle)
-            group["objects"].append(
-                {
-                    "key": info.key,
-                    "size": info.size,
-                    "mtime": info.mtime,
-                    "etag": info.etag,
-                    "check": not mount.immutable,
-                    "block_size": handle.blocks.block_size,
-                    "blocks": blocks,
-                    "repair": repair,
-                }
+            group.objects.append(
+                ObjectWant(
+                    info.key, info.size, info.mtime, info.etag, info.content_hash,
+                    not mount.immutable, handle.blocks.block_size, blocks, repair,
+                )
             )
         return [group for group, _ in groups.values()], [h for _, members in groups.values() for h in members]
 
-    def prefetch(self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool = True) -> dict:
+    def prefetch(self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool = True) -> Queued:
         """Ask the agent to fetch these blocks soon, for prefetch `session`; returns at once.
         With `pin`, fetched blocks are not evicted until read or until the session ends.
         Raises AgentUnavailable; see gpufeed.prefetch for the window that calls this."""
         groups, _ = self._groups([(handle, blocks, []) for handle, blocks in wanted if handle.blocks is not None])
-        return self.agent.request({"op": "prefetch", "session": session, "groups": groups, "pin": pin})
+        return self.agent.request(Prefetch(session, groups, pin), Queued)
 
     def _hint(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> None:
         """Have the agent cache blocks this client reads around; nobody waits for them."""
@@ -399,7 +379,7 @@ class Client:
 
     def cancel_prefetch(self, session: str) -> None:
         try:
-            self.agent.request({"op": "cancel", "session": session}, start=False)
+            self.agent.request(Cancel(session), Done, start=False)
         except AgentUnavailable:
             pass  # no agent, nothing queued
 
@@ -422,21 +402,21 @@ class Client:
     def _fetch_once(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> set[tuple[str, int]]:
         groups, order = self._groups(wanted)
         try:
-            reply = self.agent.request({"op": "fetch", "groups": groups})
+            reply = self.agent.request(Fetch(groups), Fetched)
         except AgentUnavailable as exc:
             self._warn_once("agent", f"{exc}; reading without the cache")
             return {(handle.blocks.oid, index) for handle, blocks, _ in wanted for index in blocks}  # type: ignore[union-attr]
-        self.source_bytes += reply.get("fetched", 0)
-        if reply.get("errors"):
-            failure = reply["errors"][0]
-            error = error_from(failure)
-            if "object" not in failure:
+        self.source_bytes += reply.fetched
+        if reply.failures:
+            failure = reply.failures[0]
+            error = from_code(failure.code, failure.message)
+            if failure.object is None:
                 raise error
-            handle = order[failure["object"]]
+            handle = order[failure.object]
             if isinstance(error, (ObjectMissing, ObjectChanged)):
                 raise self._explain(handle, error)
             raise type(error)(f"{handle.path}: {error}")
-        uncached = {(order[number].blocks.oid, index) for number, index in reply.get("uncached", ())}  # type: ignore[union-attr]
+        uncached = {(order[number].blocks.oid, index) for number, index in reply.uncached}  # type: ignore[union-attr]
         if uncached:
             self._warn_once("uncached", f"the cache in {self.agent.primary} cannot hold more blocks; reading uncached")
         return uncached
@@ -463,11 +443,10 @@ class Client:
             if not policy.enabled:
                 yield item, 0
                 continue
-            identity = source_identity(where.mount.url, where.mount.options)
-            oid = object_id(identity, where.key, item.version, policy.block_size, not where.mount.immutable)
-            count = -(-item.size // policy.block_size)
-            present = (i for i in range(count) if block_path(dirs, oid, i).exists())
-            yield item, sum(block_length(item.size, policy.block_size, i) for i in present)
+            info = ObjectInfo(where.key, item.size, item.mtime, item.etag)
+            blocks = object_blocks(where.mount.url, source_options(where.mount), info, policy.block_size, not where.mount.immutable)
+            present = (i for i in range(blocks.count) if block_path(dirs, blocks.block(i)).exists())
+            yield item, sum(blocks.length(i) for i in present)
 
     def open(self, path: str) -> FeedFile:
         return FeedFile(self, self.handle(path))
@@ -512,57 +491,3 @@ class Client:
 
     def walk(self, path: str) -> Iterator[FileStat]:
         return self.namespace.walk(path)
-
-
-class FeedFile(io.RawIOBase):
-    """A read-only binary file over one object version. `read()` with no size fetches the rest
-    in one request; `readinto` fills the caller's buffer without an intermediate bytes object."""
-
-    def __init__(self, client: Client, handle: ObjectHandle) -> None:
-        super().__init__()
-        self._client = client
-        self._handle = handle
-        self._pos = 0
-        self.name = handle.path
-
-    @property
-    def size(self) -> int:
-        return self._handle.size
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        self._checkClosed()
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        self._checkClosed()
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}.get(whence)
-        if base is None:
-            raise ValueError(f"invalid whence {whence}")
-        if base + offset < 0:
-            raise ValueError(f"{self.name}: negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
-        self._checkClosed()
-        target = memoryview(buffer).cast("B")
-        data = self._client.read_range(self._handle, self._pos, self._pos + len(target))
-        target[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-    def read(self, size: int | None = -1) -> bytes:
-        self._checkClosed()
-        end = self.size if size is None or size < 0 else self._pos + size
-        data = self._client.read_range(self._handle, self._pos, end)
-        self._pos += len(data)
-        return blockfile.as_bytes(data)
-
-    def readall(self) -> bytes:
-        return self.read()

@@ -1,4 +1,4 @@
-"""A client's connection to the node agent; starts the agent on first use when none runs.
+"""A reader's connection to the node agent; starts the agent on first use when none runs.
 
 Every thread of every process gets its own socket (DataLoader workers fork; threads must not
 interleave frames). If the agent dies mid-request, the request is sent again to a fresh agent:
@@ -8,7 +8,9 @@ fetches are idempotent, so a `kill -9` costs a retry, not a failed read.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,11 +19,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
-from gpufeed.agent import protocol
+import msgspec
+
 from gpufeed.config import Settings
-from gpufeed.errors import GpufeedError
+from gpufeed.errors import GpufeedError, from_code
+from gpufeed.rpc import codec
+from gpufeed.rpc.messages import AgentInfo, Clear, Cleared, Done, Hello, Hits, Refused, Reply, Request, Shutdown, Stats
+
+R = TypeVar("R", bound=msgspec.Struct)
 
 HIT_REPORT_BATCH = 512
 HIT_REPORT_INTERVAL_S = 2.0
@@ -37,7 +44,8 @@ class AgentUnavailable(GpufeedError):
 
 
 def agent_command(settings: Settings, idle_timeout: float | None) -> list[str]:
-    argv = [sys.executable, "-m", "gpufeed", "agent"]
+    """The agent's own entry point: it loads no CLI."""
+    argv = [sys.executable, "-m", "gpufeed.agent"]
     for directory in settings.cache_dirs:
         argv += ["--cache-dir", str(directory)]
     argv += ["--cache-size", str(settings.cache_size)]
@@ -86,7 +94,7 @@ def connect(primary: Path, timeout: float | None = None) -> socket.socket | None
     each send and receive, so a hung agent cannot hang its readers."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(protocol.address(primary))
+        sock.connect(codec.address(primary))
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         return None
@@ -107,7 +115,7 @@ class AgentClient:
         self.settings = settings
         self.primary = settings.cache_dirs[0]
         self._local = threading.local()
-        self._hello: dict[str, Any] | None = None
+        self._hello: AgentInfo | None = None
         self._start_after = 0.0
         self._start_lock = threading.Lock()
         self.timeout = max(120.0, 2 * settings.request_timeout + settings.retry_timeout)
@@ -119,8 +127,29 @@ class AgentClient:
         sock = self._connect_or_start() if start else connect(self.primary, self.timeout)
         if sock is None:
             raise ConnectionRefusedError(f"no agent is running for {self.primary}")
+        try:
+            self._hello = self._handshake(sock)
+        except BaseException:
+            sock.close()
+            raise
         self._local.sock, self._local.pid = sock, os.getpid()
         return sock
+
+    def _handshake(self, sock: socket.socket) -> AgentInfo:
+        """Every connection starts with a Hello: an agent still running from another gpufeed
+        release (after an upgrade) is not used, so no message is misread on either side."""
+        sock.sendall(codec.frame(Hello(codec.VERSION)))
+        try:
+            reply = codec.recv_reply(sock)
+        except (ConnectionResetError, codec.ProtocolError):
+            reply = None
+        if isinstance(reply, AgentInfo):
+            return reply
+        said = f" ({reply.failure.message})" if isinstance(reply, Refused) else ""
+        raise AgentUnavailable(
+            f"the agent for {self.primary} runs another gpufeed release{said}; "
+            "stop it with `gpufeed agent stop` and the next read starts a current one"
+        )
 
     def _drop(self) -> None:
         sock = getattr(self._local, "sock", None)
@@ -167,25 +196,34 @@ class AgentClient:
             time.sleep(0.01)
         raise AgentUnavailable(f"the agent for {self.primary} did not start within {START_TIMEOUT_S:.0f} s")
 
-    def request(self, message: dict[str, Any], *, start: bool = True) -> dict[str, Any]:
-        """Send one request and wait for its reply; with start=False never start an agent."""
-        data = protocol.encode(message)
+    def request(self, message: Request, reply_type: type[R], *, start: bool = True) -> R:
+        """Send one request and wait for its reply; with start=False never start an agent. An
+        error the agent reports is raised as the gpufeed error it names."""
+        data = codec.frame(message)
         failure: Exception | None = None
         for _ in range(ATTEMPTS if start else 1):
             try:
                 sock = self._socket(start)
                 sock.sendall(data)
-                return protocol.recv(sock)
-            except OSError as exc:  # includes ConnectionError: the agent died; start another
+                reply: Reply = codec.recv_reply(sock)
+                break
+            except (OSError, codec.ProtocolError) as exc:  # includes ConnectionError: the agent died; start another
                 self._drop()
                 failure = exc
-        raise AgentUnavailable(f"agent for {self.primary}: {failure}")
+        else:
+            raise AgentUnavailable(f"agent for {self.primary}: {failure}")
+        if isinstance(reply, Refused):
+            raise from_code(reply.failure.code, reply.failure.message)
+        if not isinstance(reply, reply_type):
+            self._drop()
+            raise AgentUnavailable(f"agent for {self.primary}: {type(reply).__name__} in reply to {type(message).__name__}")
+        return reply
 
-    def notify(self, message: dict[str, Any]) -> None:
-        """Send a message the agent answers with nothing (`noreply`), on this thread's
-        connection; never starts an agent. A hint: the caller does not wait for it to be read."""
+    def notify(self, message: Hits) -> None:
+        """Send a one-way message on this thread's connection; never starts an agent. A hint:
+        the caller does not wait for it to be read."""
         try:
-            self._socket(False).sendall(protocol.encode({**message, "noreply": True}))
+            self._socket(False).sendall(codec.frame(message))
         except OSError as exc:
             self._drop()
             raise AgentUnavailable(f"agent for {self.primary}: {exc}") from exc
@@ -195,23 +233,23 @@ class AgentClient:
         """Whether this thread holds a live connection (hit reports never start an agent)."""
         return getattr(self._local, "sock", None) is not None and self._local.pid == os.getpid()
 
-    def hello(self) -> dict[str, Any]:
-        """The agent's greeting, checked once: an agent still running from another gpufeed
-        release (after an upgrade) is not used, so no message is misread on either side."""
+    def hello(self) -> AgentInfo:
+        """The agent's greeting on this client's first connection."""
         if self._hello is None:
-            reply = self.request({"op": "hello"})
-            if reply.get("protocol") != protocol.VERSION:
-                raise AgentUnavailable(
-                    f"the agent for {self.primary} (pid {reply.get('pid')}) runs another gpufeed release "
-                    f"(protocol {reply.get('protocol', 1)}, this one {protocol.VERSION}); "
-                    "stop it with `gpufeed agent stop` and the next read starts a current one"
-                )
-            self._hello = reply
+            self._socket(True)
+        assert self._hello is not None
         return self._hello
+
+    def stats(self, *, start: bool = True) -> AgentInfo:
+        return self.request(Stats(), AgentInfo, start=start)
+
+    def clear(self) -> int:
+        """Drop every block that is not being fetched or pinned; returns the bytes freed."""
+        return self.request(Clear(), Cleared).removed_bytes
 
     @property
     def dirs(self) -> tuple[Path, ...]:
-        return tuple(Path(d) for d in self.hello()["dirs"])
+        return tuple(Path(d) for d in self.hello().dirs)
 
 
 def _nothing() -> None:
@@ -232,7 +270,7 @@ class HitReporter:
         """Runs every HIT_CHECK_EVERY hits: housekeeping a reader wants done often, but not on
         every hit (letting go of deleted block files)."""
         self.names: list[str] = []
-        """Blocks read since the last report, by `layout.block_name` (strings: no tuple for
+        """Blocks read since the last report, by `BlockId.name` (strings: no tuple for
         the collector)."""
         self.due = HIT_CHECK_EVERY
         self._sent = time.monotonic()
@@ -260,17 +298,18 @@ class HitReporter:
             self._sent = time.monotonic()
             self.due = len(self.names) + HIT_CHECK_EVERY
         if batch and self.agent.connected:
-            message = {"op": "hits", "names": " ".join(batch)}  # one string: cheap to encode
+            names = " ".join(batch)  # one string: cheap to encode
             try:
                 if wait:
-                    self.agent.request(message, start=False)
+                    self.agent.request(Hits(names, reply=True), Done, start=False)
                 else:
-                    self.agent.notify(message)
+                    self.agent.notify(Hits(names))
             except AgentUnavailable:
                 pass  # only eviction hints are lost
 
 
-def _gone(pid: int) -> bool:
+def gone(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie counts: it only waits for its parent)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rpartition(")")[2].split()[0] == "Z"
@@ -278,16 +317,32 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _pid_of(primary: Path) -> int | None:
+    """The pid an agent wrote in its state file while it serves."""
+    try:
+        return int(json.loads((primary / "agent.json").read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def stop_agent(settings: Settings, timeout: float = 10.0) -> int | None:
     """Ask the agent for the settings' cache dir to exit and wait until its process is gone;
-    returns its pid, or None when no agent was running."""
+    returns its pid, or None when no agent was running. An agent of another release, which
+    refuses this one's messages, is sent SIGTERM by the pid in its state file."""
     agent = AgentClient(settings)
     try:
-        pid = agent.request({"op": "hello"}, start=False)["pid"]
-        agent.request({"op": "shutdown"}, start=False)
+        pid = agent.stats(start=False).pid
+        agent.request(Shutdown(), Done, start=False)
     except AgentUnavailable:
-        return None
+        sock = connect(settings.cache_dirs[0])
+        if sock is None:
+            return None
+        sock.close()
+        pid = _pid_of(settings.cache_dirs[0])
+        if pid is None:
+            return None
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while not _gone(pid) and time.monotonic() < deadline:
+    while not gone(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     return pid

@@ -1,0 +1,39 @@
+"""`python -m gpufeed.agent`: the agent's own entry point, which readers start on first use.
+
+Kept apart from the CLI so a reader's agent starts without loading typer, rich or the
+benchmark. `gpufeed agent` runs the same `main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from gpufeed.agent.manager import AgentConfig
+from gpufeed.agent.service import run_agent
+from gpufeed.config import Settings, parse_size
+from gpufeed.errors import GpufeedError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpufeed.agent", description="Run the node agent in the foreground.")
+    parser.add_argument("--cache-dir", action="append", type=Path, default=[], help="cache dir (repeatable)")
+    parser.add_argument("--cache-size", help="quota, e.g. 200GiB; always bounded by free space")
+    parser.add_argument("--idle-timeout", type=float, help="exit after this many seconds without clients")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
+    try:
+        settings = Settings.from_env()
+        dirs = tuple(d.expanduser().absolute() for d in args.cache_dir) or settings.cache_dirs
+        size = parse_size(args.cache_size, "--cache-size") if args.cache_size else settings.cache_size
+        run_agent(AgentConfig(dirs, size, settings.cache_free_ratio, args.idle_timeout), settings)
+    except GpufeedError as exc:
+        print(f"gpufeed agent: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""BlockId → published block file: where every block the node caches is fetched and checked.
+
+A wanted block is looked for in order: on local disk (`CacheManager.present`), then in each
+`BlockSource` of the chain — peers once the cluster exists, the store last, which always has
+it. One fetch per block however many readers want it (single flight across every process on
+the node). Nothing is published that was not checked first: the length always; the whole
+object against its content hash or S3 MD5 ETag where the store or the manifest vouches for
+one (the source checks whole-object reads, `sources.objstore`). A multi-block object whose
+manifest holds a content hash is therefore fetched whole, checked, then published block by
+block, so none of its blocks is ever cached unchecked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import xxhash
+
+from gpufeed import errors
+from gpufeed.agent.manager import CacheManager
+from gpufeed.agent.metrics import Metrics
+from gpufeed.agent.sessions import Session, Sessions
+from gpufeed.blocks import BlockId, ObjectBlocks, object_blocks
+from gpufeed.config import Settings
+from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant
+from gpufeed.sources import Source, open_source
+from gpufeed.sources.base import ObjectInfo
+
+log = logging.getLogger("gpufeed.agent")
+
+FETCH_CONCURRENCY = 64
+PREFETCH_CONCURRENCY = 48
+MAX_BLOCKS_PER_REQUEST = 65536
+WHOLE_OBJECT_MAX = 1 << 30
+"""Largest object fetched whole to check its content hash; a larger one is checked by length
+and version only (documented in the README)."""
+
+Status = Literal["ok", "uncached"]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One wanted block of one object of a request."""
+
+    number: int
+    """The object's number in its request (across groups, in order): failures name it."""
+    source: Source
+    want: ObjectWant
+    blocks: ObjectBlocks
+    index: int
+
+    @property
+    def block(self) -> BlockId:
+        return self.blocks.block(self.index)
+
+    @property
+    def info(self) -> ObjectInfo:
+        w = self.want
+        return ObjectInfo(w.key, w.size, w.mtime, w.etag, w.content_hash)
+
+    @property
+    def verified_whole(self) -> bool:
+        """Whether this object's blocks are cached only after the whole object matched its hash."""
+        return bool(self.want.content_hash) and self.blocks.count > 1 and self.want.size <= WHOLE_OBJECT_MAX
+
+
+class BlockSource(Protocol):
+    """Somewhere a block's bytes can come from, after local disk."""
+
+    async def read(self, job: Job, start: int, end: int) -> memoryview | None:
+        """Bytes [start, end) of the job's object, checked as the source can; None when this
+        source does not have them (a peer that never cached them)."""
+        ...
+
+
+class StoreBlocks:
+    """The object store itself: the last source in the chain, and the one that always answers."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    async def read(self, job: Job, start: int, end: int) -> memoryview:
+        began = time.monotonic()
+        data = await job.source.get_range_async(job.want.key, start, end, job.info, conditional=job.want.check)
+        self.metrics.store_latency(time.monotonic() - began)
+        self.metrics.count("misses")
+        self.metrics.count("bytes_fetched", len(data))
+        if len(data) != end - start:  # the object shrank or grew: never publish a short block
+            raise errors.ObjectChanged(f"{job.want.key}: the source returned {len(data)} bytes for [{start}, {end})")
+        return data
+
+
+class Fetcher:
+    def __init__(self, settings: Settings, manager: CacheManager, sessions: Sessions, metrics: Metrics) -> None:
+        self.settings = settings
+        self.manager = manager
+        self.sessions = sessions
+        self.metrics = metrics
+        self.chain: list[BlockSource] = [StoreBlocks(metrics)]
+        self.inflight: dict[str, asyncio.Future[Status]] = {}
+        """Block (or, for objects fetched whole, object) name → the fetch every other wanter joins."""
+        self._sources: dict[str, Source] = {}
+        self._slots: asyncio.Semaphore | None = None
+        self._prefetch_slots: asyncio.Semaphore | None = None
+
+    def source(self, group: Group) -> Source:
+        """The store for a group; its credentials are the reader's (keyed by a hash, never kept in clear)."""
+        spec = group.source
+        secrets = group.credentials.values
+        key = xxhash.xxh3_128_hexdigest(repr((spec.url, sorted(spec.options.items()), sorted(secrets.items()))).encode())
+        source = self._sources.get(key)
+        if source is None:
+            source = self._sources[key] = open_source(spec.url, {**spec.options, **secrets}, self.settings)
+        return source
+
+    def jobs(self, groups: list[Group]) -> list[Job]:
+        """Every block a request names, after checking it. Identities are derived here, never
+        taken from a reader."""
+        jobs: list[Job] = []
+        number = 0
+        for group in groups:
+            source = self.source(group)
+            for want in group.objects:
+                info = ObjectInfo(want.key, want.size, want.mtime, want.etag, want.content_hash)
+                try:
+                    blocks = object_blocks(group.source.url, group.source.options, info, want.block_size, want.check)
+                except ValueError as exc:
+                    raise errors.InvalidArgument(str(exc)) from None
+                if any(not 0 <= i < blocks.count for i in want.blocks):
+                    raise errors.InvalidArgument(f"a block index is outside {want.key} ({want.size} bytes)")
+                jobs.extend(Job(number, source, want, blocks, index) for index in want.blocks)
+                number += 1
+                if len(jobs) > MAX_BLOCKS_PER_REQUEST:
+                    raise errors.InvalidArgument(f"more than {MAX_BLOCKS_PER_REQUEST} blocks in one request")
+        return jobs
+
+    async def fetch(self, groups: list[Group]) -> Fetched:
+        """Demand reads: reply once every block is published, known uncached, or failed."""
+        reply = Fetched([], [], 0)
+
+        async def one(job: Job) -> None:
+            try:
+                status, got = await self.ensure(job, job.index in job.want.repair)
+            except errors.GpufeedError as exc:
+                reply.failures.append(Failure(exc.code, str(exc), job.number))
+                return
+            except Exception as exc:  # one block's bug or I/O error fails that read, not its neighbours
+                log.exception("block %d of %s", job.index, job.want.key)
+                reply.failures.append(Failure(errors.SourceError.code, f"agent: {exc}", job.number))
+                return
+            reply.fetched += got
+            if status == "uncached":
+                reply.uncached.append((job.number, job.index))
+
+        await asyncio.gather(*(one(job) for job in self.jobs(groups)))
+        return reply
+
+    async def ensure(self, job: Job, repair: bool = False) -> tuple[Status, int]:
+        """Make the job's block present; returns its status and the bytes this call fetched from
+        a source. 'uncached': the cache cannot hold it and the reader reads the source itself. A
+        call that joins another's fetch fetched nothing."""
+        block = job.block
+        name = block.name
+        if repair and name not in self.inflight:
+            self.sessions.unpin(name)
+            self.manager.discard(block)
+        elif self.manager.present(block):
+            return "ok", 0
+        flight = job.blocks.oid if job.verified_whole else name
+        pending = self.inflight.get(flight)
+        if pending is not None:
+            status = await asyncio.shield(pending)
+            if status == "ok" and not self.manager.present(block):  # its publish failed (disk full)
+                status = "uncached"
+            return status, 0
+        length = job.blocks.length(job.index)
+        if not self.manager.can_hold(length if not job.verified_whole else job.want.size):
+            self.metrics.count("uncached")
+            return "uncached", 0
+        future: asyncio.Future[Status] = asyncio.get_running_loop().create_future()
+        self.inflight[flight] = future
+        try:
+            if job.verified_whole:
+                result, fetched = await self._whole(job), job.want.size
+            else:
+                result, fetched = await self._one(job), length
+            future.set_result(result)
+            return result, fetched
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # a waiter re-raises it; nobody waiting is fine too
+            raise
+        finally:
+            del self.inflight[flight]
+
+    async def _read(self, job: Job, start: int, end: int) -> memoryview:
+        assert self._slots is not None
+        async with self._slots:
+            for source in self.chain:
+                data = await source.read(job, start, end)
+                if data is not None:
+                    return data
+        raise errors.SourceError(f"{job.want.key}: no source had bytes [{start}, {end})")
+
+    async def _one(self, job: Job) -> Status:
+        size = job.blocks.block_size
+        start = job.index * size
+        data = await self._read(job, start, start + job.blocks.length(job.index))
+        return "ok" if await self.manager.publish(job.block, data) else "uncached"
+
+    async def _whole(self, job: Job) -> Status:
+        """Fetch the object whole (the source checks it against its content hash), then publish
+        every block of it not yet present."""
+        data = await self._read(job, 0, job.want.size)
+        size = job.blocks.block_size
+        status: Status = "ok"
+        for index in range(job.blocks.count):
+            block = job.blocks.block(index)
+            if index != job.index and self.manager.present(block):
+                continue
+            if not await self.manager.publish(block, data[index * size : (index + 1) * size]):
+                status = "uncached" if index == job.index else status
+        return status
+
+    def prefetch(self, session: Session, jobs: list[Job]) -> None:
+        """Queue blocks a job will read soon, in the order asked, at most PREFETCH_CONCURRENCY at
+        a time so demand reads keep their slots."""
+        for job in jobs:
+            task = asyncio.create_task(self._prefetch_one(session, job))
+            session.tasks.add(task)
+            task.add_done_callback(session.tasks.discard)
+
+    async def _prefetch_one(self, session: Session, job: Job) -> None:
+        assert self._prefetch_slots is not None
+        async with self._prefetch_slots:
+            if session.cancelled or (session.pin and not self.sessions.room_to_pin()):
+                return
+            try:
+                status, _ = await self.ensure(job)
+            except Exception as exc:  # a hint that failed: the demand read will fetch or report
+                self.metrics.count("prefetch_errors")
+                log.debug("prefetch of block %d of %s failed: %s", job.index, job.want.key, exc)
+                return
+            if status == "ok":
+                self.sessions.pin(session, job.block.name)
+
+    def start(self) -> None:
+        """Bind to the running event loop."""
+        self._slots = asyncio.Semaphore(FETCH_CONCURRENCY)
+        self._prefetch_slots = asyncio.Semaphore(PREFETCH_CONCURRENCY)

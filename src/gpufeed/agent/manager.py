@@ -1,0 +1,167 @@
+"""The cache dirs' contents: which blocks are there, the quota, eviction and repair.
+
+All state is rebuilt from the cache dirs at start (`scan`), so a `kill -9` leaves nothing the
+next agent has to trust. Blocks are only ever removed here, and every removal is counted in
+the deletion count readers watch to let go of files they hold (`cache.openfiles`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpufeed.agent.metrics import Metrics
+from gpufeed.blocks import BlockId
+from gpufeed.cache import blockfile
+from gpufeed.cache.eviction import S3Fifo
+from gpufeed.cache.layout import block_path
+from gpufeed.cache.openfiles import DeletionCounter
+
+log = logging.getLogger("gpufeed.agent")
+
+HIGH_WATERMARK = 0.95
+LOW_WATERMARK = 0.85
+FULL_BACKOFF_S = 5.0
+"""After a write failed for lack of space, how long blocks are served uncached before trying again."""
+DISK_CHECK_S = 2.0
+"""How often the agent asks the cache filesystems for free space; in between, its own
+publishes and evictions are what changes."""
+FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    dirs: tuple[Path, ...]
+    cache_size: int
+    free_ratio: float
+    idle_timeout: float | None
+
+    @property
+    def primary(self) -> Path:
+        return self.dirs[0]
+
+
+class CacheManager:
+    def __init__(self, config: AgentConfig, metrics: Metrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.policy = S3Fifo()
+        self.sizes: dict[str, int] = {}
+        self.protected: Callable[[], frozenset[str]] = frozenset
+        """Names eviction must skip (blocks being fetched, pinned blocks); set by the agent."""
+        self.full_until = 0.0
+        self._warned_full = False
+        self.deletions = DeletionCounter.create(config.primary)
+        """The count readers watch to let go of deleted block files; None when the cache dir
+        cannot hold it (full), and then readers hold none."""
+        self._disk_cap = 0
+        self._disk_checked = -DISK_CHECK_S
+
+    def scan(self) -> None:
+        """Rebuild the index from the block files; drop temp files a crashed agent left."""
+        for root in self.config.dirs:
+            shutil.rmtree(root / "tmp", ignore_errors=True)
+            (root / "tmp").mkdir(parents=True, exist_ok=True)
+            blocks = root / "blocks"
+            found: list[tuple[float, str, int]] = []
+            if blocks.is_dir():
+                for sub in os.scandir(blocks):
+                    for entry in os.scandir(sub.path):
+                        st = entry.stat()
+                        found.append((st.st_mtime, entry.name, st.st_size))
+            for _, name, size in sorted(found):
+                self.policy.insert(name, size)
+                self.sizes[name] = size
+
+    def path(self, block: BlockId) -> Path:
+        return block_path(self.config.dirs, block)
+
+    def present(self, block: BlockId) -> bool:
+        """Whether the block is published; one deleted behind the agent's back is forgotten."""
+        if block.name not in self.policy:
+            return False
+        if self.path(block).exists():
+            return True
+        self.forget(block.name)
+        return False
+
+    def limit(self) -> int:
+        """The quota, bounded by what the cache filesystems can hold while keeping free_ratio
+        of each free. The disk is asked at most every DISK_CHECK_S: right after an eviction,
+        readers may still hold the evicted files (`cache.openfiles`), and a disk that does
+        not show their space free yet must not make every publish evict again."""
+        now = time.monotonic()
+        if now - self._disk_checked >= DISK_CHECK_S:
+            room = 0.0
+            for device in {os.stat(d).st_dev: d for d in self.config.dirs}.values():
+                st = os.statvfs(device)
+                room += st.f_bavail * st.f_frsize - self.config.free_ratio * st.f_blocks * st.f_frsize
+            self._disk_cap = int(self.policy.bytes + room)
+            self._disk_checked = now
+        return max(0, min(self.config.cache_size, self._disk_cap))
+
+    def can_hold(self, length: int) -> bool:
+        """False while the disk was found full moments ago, or when one block exceeds the room."""
+        return time.monotonic() >= self.full_until and length <= self.limit()
+
+    async def publish(self, block: BlockId, data: memoryview) -> bool:
+        """Write a verified block into the cache; False when the disk cannot hold it (then the
+        reader is served uncached, warned once, and the cache shrinks to what fits)."""
+        path = self.path(block)
+        for attempt in range(2):
+            try:
+                written = await asyncio.to_thread(blockfile.publish, path, block, data)
+                break
+            except OSError as exc:
+                full = exc.errno in FULL_ERRNOS
+                if full and attempt == 0 and self.evict_to(max(0, self.policy.bytes - 4 * len(data))):
+                    continue
+                if full:
+                    self.full_until = time.monotonic() + FULL_BACKOFF_S
+                    self._disk_checked = -DISK_CHECK_S  # ask the disk again: the quota follows what fits
+                if not self._warned_full:
+                    log.warning("cannot write blocks to %s (%s): serving reads uncached", path.parent, exc.strerror or exc)
+                    self._warned_full = True
+                self.metrics.count("uncached")
+                return False
+        self.policy.insert(block.name, written)
+        self.sizes[block.name] = written
+        limit = self.limit()
+        if self.policy.bytes > HIGH_WATERMARK * limit:
+            self.evict_to(int(LOW_WATERMARK * limit))
+        return True
+
+    def discard(self, block: BlockId) -> None:
+        """Remove a block a reader found damaged, before it is fetched again."""
+        self.path(block).unlink(missing_ok=True)
+        self._deleted()
+        self.forget(block.name)
+        self.metrics.count("repairs")
+
+    def forget(self, name: str) -> None:
+        self.policy.remove(name)
+        self.sizes.pop(name, None)
+
+    def evict_to(self, goal: int) -> int:
+        freed = 0
+        victims = self.policy.victims(goal, self.protected())
+        for name in victims:
+            self.path(BlockId.parse(name)).unlink(missing_ok=True)
+            freed += self.sizes.pop(name, 0)
+            self.metrics.count("evictions")
+        if victims:
+            self._deleted()
+        return freed
+
+    def _deleted(self) -> None:
+        """Tell readers that block files are gone, after the unlinks, so they close the ones
+        they hold and the space is freed (`cache.openfiles`)."""
+        if self.deletions is not None and not self.deletions.bump():
+            self.deletions = None

@@ -1,0 +1,273 @@
+"""The node agent's process: the socket, the handshake, and a dispatch table from each request
+type to the part of the agent that answers it. Nothing else lives here.
+
+One agent owns a cache dir, held by an flock the kernel drops when the process dies, so a
+`kill -9` leaves nothing that blocks the next agent. SIGTERM and SIGINT stop it cleanly:
+connections are closed, queued prefetches dropped, and nothing is logged but one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from gpufeed import errors
+from gpufeed.agent.fetcher import Fetcher
+from gpufeed.agent.manager import AgentConfig, CacheManager
+from gpufeed.agent.metrics import Metrics
+from gpufeed.agent.sessions import Sessions
+from gpufeed.config import Settings
+from gpufeed.errors import GpufeedError
+from gpufeed.rpc import codec
+from gpufeed.rpc.messages import (
+    AgentInfo,
+    Cancel,
+    Clear,
+    Cleared,
+    Done,
+    Failure,
+    Fetch,
+    Hello,
+    Hits,
+    Prefetch,
+    Queued,
+    Refused,
+    Reply,
+    Request,
+    Shutdown,
+    Stats,
+)
+
+log = logging.getLogger("gpufeed.agent")
+
+_PEER = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class AgentLocked(Exception):
+    """Another agent already owns this cache dir."""
+
+
+class AgentRunning(GpufeedError):
+    """Another agent already serves the cache dir; exit code 3 tells a racing starter to connect."""
+
+    exit_code = 3
+
+
+def acquire_lock(primary: Path) -> int:
+    """The agent's lifetime lock on the primary dir; the kernel drops it when the process dies.
+    A new cache dir is private to its user (0700): blocks hold whatever the sources hold."""
+    primary.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(primary / "agent.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise AgentLocked(str(primary)) from None
+    return fd
+
+
+class Agent:
+    """The agent's parts, wired together, and the answer to each request."""
+
+    def __init__(self, config: AgentConfig, settings: Settings) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.manager = CacheManager(config, self.metrics)
+        self.sessions = Sessions(self.manager, self.metrics)
+        self.fetcher = Fetcher(settings, self.manager, self.sessions, self.metrics)
+        self.manager.protected = lambda: frozenset(self.fetcher.inflight).union(self.sessions.pinned)
+        self.connections = 0
+        self.last_activity = time.monotonic()
+        self._stop: asyncio.Event | None = None
+        self._handlers: dict[type, Callable[[Any, set[str]], Awaitable[Reply | None]]] = {
+            Hello: self._hello,
+            Stats: self._stats,
+            Fetch: self._fetch,
+            Prefetch: self._prefetch,
+            Cancel: self._cancel,
+            Hits: self._hits,
+            Clear: self._clear,
+            Shutdown: self._shutdown,
+        }
+
+    def info(self) -> AgentInfo:
+        manager = self.manager
+        return AgentInfo(
+            pid=os.getpid(),
+            dirs=[str(d) for d in self.config.dirs],
+            protocol=codec.VERSION,
+            quota=self.config.cache_size,
+            limit=manager.limit(),
+            bytes=manager.policy.bytes,
+            blocks=len(manager.policy),
+            clients=self.connections,
+            uptime_s=time.time() - self.metrics.started,
+            pinned_bytes=self.sessions.pinned_bytes,
+            latency_ms=self.metrics.latency_s * 1000,
+            **self.metrics.counters(),
+        )
+
+    async def _hello(self, request: Hello, owned: set[str]) -> Reply:
+        return self.info()
+
+    async def _stats(self, request: Stats, owned: set[str]) -> Reply:
+        return self.info()
+
+    async def _fetch(self, request: Fetch, owned: set[str]) -> Reply:
+        return await self.fetcher.fetch(request.groups)
+
+    async def _prefetch(self, request: Prefetch, owned: set[str]) -> Reply:
+        session, created = self.sessions.open(request.session, request.pin)
+        if created:
+            owned.add(session.name)
+        jobs = self.fetcher.jobs(request.groups)
+        self.fetcher.prefetch(session, jobs)
+        return Queued(len(jobs), self.metrics.latency_s)
+
+    async def _cancel(self, request: Cancel, owned: set[str]) -> Reply:
+        self.sessions.cancel(request.session)
+        return Done()
+
+    async def _hits(self, request: Hits, owned: set[str]) -> Reply | None:
+        self.sessions.hits(request.names)
+        return Done() if request.reply else None
+
+    async def _clear(self, request: Clear, owned: set[str]) -> Reply:
+        return Cleared(self.manager.evict_to(0))
+
+    async def _shutdown(self, request: Shutdown, owned: set[str]) -> Reply:
+        assert self._stop is not None
+        self._stop.set()
+        return Done()
+
+    async def answer(self, request: Request, owned: set[str]) -> Reply | None:
+        """One request; `owned` collects the prefetch sessions this connection started, which
+        end when it closes. None: a one-way message."""
+        try:
+            return await self._handlers[type(request)](request, owned)
+        except GpufeedError as exc:
+            return Refused(Failure(exc.code, str(exc)))
+        except Exception as exc:  # one bad request must not take the node's cache down
+            log.exception("%s request failed", type(request).__name__)
+            return Refused(Failure(errors.SourceError.code, f"agent: {exc}"))
+
+    def _trusted(self, writer: asyncio.StreamWriter) -> bool:
+        """Only this agent's own user (or root) may use it: the socket has no file permissions,
+        and the agent reads stores with its own credentials into a private cache dir."""
+        sock: socket.socket = writer.get_extra_info("socket")
+        _, uid, _ = _PEER.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER.size))
+        return uid in (os.getuid(), 0)
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """The first message must be a Hello of this protocol version."""
+        try:
+            first = await codec.read_request(reader)
+        except codec.ProtocolError:
+            first = None
+        if isinstance(first, Hello) and first.protocol == codec.VERSION:
+            writer.write(codec.frame(self.info()))
+            return True
+        if isinstance(first, Hello):
+            message = f"the agent speaks protocol {codec.VERSION}, the reader {first.protocol}"
+            writer.write(codec.frame(Refused(Failure("protocol", message))))
+        return False
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._trusted(writer):
+            log.warning("refused a client of another user")
+            writer.close()
+            return
+        self.connections += 1
+        owned: set[str] = set()
+        try:
+            if await self._handshake(reader, writer):
+                while (request := await codec.read_request(reader)) is not None:
+                    self.last_activity = time.monotonic()
+                    reply = await self.answer(request, owned)
+                    if reply is not None:
+                        writer.write(codec.frame(reply))
+                        await writer.drain()
+        except (ConnectionError, codec.ProtocolError):
+            pass  # the reader went away, or spoke another protocol: its requests end here
+        except asyncio.CancelledError:
+            pass  # the agent is stopping
+        finally:
+            for session in owned:
+                self.sessions.cancel(session)
+            self.connections -= 1
+            self.last_activity = time.monotonic()
+            writer.close()
+
+    async def _watch_idle(self) -> None:
+        assert self._stop is not None and self.config.idle_timeout is not None
+        while not self._stop.is_set():
+            await asyncio.sleep(min(1.0, self.config.idle_timeout))
+            if self.connections == 0 and time.monotonic() - self.last_activity > self.config.idle_timeout:
+                log.info("no clients for %.0f s: exiting", self.config.idle_timeout)
+                self._stop.set()
+
+    async def serve(self) -> None:
+        self._stop = asyncio.Event()
+        self.fetcher.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        server = await asyncio.start_unix_server(self.handle, path=codec.address(self.config.primary))
+        state = self.config.primary / "agent.json"
+        try:
+            state.write_text(json.dumps({"pid": os.getpid(), "dirs": [str(d) for d in self.config.dirs]}))
+        except OSError as exc:  # a full cache dir must not stop the agent from serving uncached
+            log.warning("cannot write %s: %s", state, exc.strerror)
+        watcher = asyncio.create_task(self._watch_idle()) if self.config.idle_timeout else None
+        log.info("agent %d serving %s", os.getpid(), ", ".join(map(str, self.config.dirs)))
+        try:
+            await self._stop.wait()
+        finally:
+            if watcher:
+                watcher.cancel()
+            server.close()
+            state.unlink(missing_ok=True)
+            await self._quiesce()
+        log.info("agent %d stopped", os.getpid())
+
+    async def _quiesce(self) -> None:
+        """Let every other task end before the loop closes, so none is cancelled mid-way and
+        logged: queued prefetches are dropped, connections closed."""
+        for name in list(self.sessions.sessions):
+            self.sessions.cancel(name)
+        current = asyncio.current_task()
+        others = [task for task in asyncio.all_tasks() if task is not current]
+        for task in others:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*others, return_exceptions=True)
+
+
+def run_agent(config: AgentConfig, settings: Settings) -> None:
+    """Run in the foreground until stopped."""
+    try:
+        lock = acquire_lock(config.primary)
+    except AgentLocked:
+        raise AgentRunning(f"an agent already serves {config.primary} (see 'gpufeed agent status')") from None
+    except OSError as exc:
+        raise GpufeedError(f"cache dir {config.primary}: {exc.strerror or exc}") from exc
+    try:
+        agent = Agent(config, settings)
+        try:
+            agent.manager.scan()
+        except OSError as exc:
+            raise GpufeedError(f"cache dir {exc.filename or config.primary}: {exc.strerror or exc}") from exc
+        asyncio.run(agent.serve())
+    finally:
+        os.close(lock)

@@ -1,0 +1,83 @@
+"""Prefetch sessions and the blocks they pin, and the hits readers report.
+
+A session is one job's prefetch stream (a sampler's iteration). Its fetched blocks stay pinned
+(never evicted) until a reader reports a hit on them or the session ends; a connection's
+sessions end when it closes, so a killed trainer releases its pins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from gpufeed.agent.manager import CacheManager
+from gpufeed.agent.metrics import Metrics
+
+PIN_FRACTION = 0.5
+"""Prefetch stops while pinned blocks fill this much of the cache."""
+
+
+@dataclass
+class Session:
+    name: str
+    pin: bool = True
+    """Whether its fetched blocks stay pinned until read. A reader's hints about blocks it read
+    around do not pin: nothing promises those blocks will be read soon."""
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    pinned: set[str] = field(default_factory=set)
+    cancelled: bool = False
+
+
+class Sessions:
+    def __init__(self, manager: CacheManager, metrics: Metrics) -> None:
+        self.manager = manager
+        self.metrics = metrics
+        self.sessions: dict[str, Session] = {}
+        self.pinned: dict[str, str] = {}
+        """Pinned block name → the session that pinned it."""
+        self.pinned_bytes = 0
+
+    def open(self, name: str, pin: bool) -> tuple[Session, bool]:
+        """The session called `name`, and whether this call created it."""
+        session = self.sessions.get(name)
+        if session is not None:
+            return session, False
+        session = self.sessions[name] = Session(name, pin)
+        return session, True
+
+    def room_to_pin(self) -> bool:
+        return self.pinned_bytes <= PIN_FRACTION * self.manager.limit()
+
+    def pin(self, session: Session, name: str) -> None:
+        if session.pin and not session.cancelled and name not in self.pinned:
+            self.pinned[name] = session.name
+            session.pinned.add(name)
+            self.pinned_bytes += self.manager.sizes.get(name, 0)
+            self.metrics.count("prefetched")
+
+    def unpin(self, name: str) -> None:
+        owner = self.pinned.pop(name, None)
+        if owner is not None:
+            self.pinned_bytes -= self.manager.sizes.get(name, 0)
+            session = self.sessions.get(owner)
+            if session is not None:
+                session.pinned.discard(name)
+
+    def cancel(self, name: str) -> None:
+        """End a session: queued blocks are dropped (each task checks `cancelled` before it
+        fetches; one already fetching finishes, since demand readers may be waiting on it),
+        pinned ones released."""
+        session = self.sessions.pop(name, None)
+        if session is None:
+            return
+        session.cancelled = True
+        for block in list(session.pinned):
+            self.unpin(block)
+
+    def hits(self, names: str) -> None:
+        """Blocks readers read from disk: hot for eviction, and read, so no longer pinned."""
+        split = names.split()
+        for name in split:
+            self.manager.policy.access(name)
+            self.unpin(name)
+        self.metrics.count("hits", len(split))

@@ -1,0 +1,132 @@
+"""What a block is: its identity, derived in one place, and the header that records it.
+
+An object's bytes are cut into blocks of `block_size`. A block's identity is (source identity,
+key, object version, block size, whether fetches check the version, index): every part of
+gpufeed that names a block (the client's hits and misses, the agent's fetches, eviction and
+pins, warmup, fsspec, the benchmark) derives it through `object_blocks`, so two paths can
+never disagree on which bytes a name holds. A changed object has a new version, so new names:
+an old version's bytes are never served for it.
+
+A block file is a header, then the data. The header records the block's identity (the object
+hash and the index), the data length and one xxh3-64 checksum per 256 KiB chunk. A reader
+checks the identity against the name it opened, so a valid block of another object copied
+under this name is as damaged as a flipped bit: discarded and fetched again. Per-chunk sums let
+a 100 KB read verify 100 KB, not 4 MiB.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from gpufeed.sources.base import ObjectInfo
+
+MAGIC = b"GFB2"
+CHUNK = 256 * 1024
+_HEAD = struct.Struct("<4sIQII16sI")  # magic, header length, data length, chunk size, chunk count, object, index
+SUM = struct.Struct("<Q")
+HEAD_SIZE = _HEAD.size
+SMALL_HEAD = HEAD_SIZE + SUM.size
+"""Header length of a block of one chunk."""
+MIN_BLOCK_SIZE = 4096
+MAX_BLOCK_SIZE = 1 << 30
+
+
+class CorruptBlock(Exception):
+    """A block file whose header, identity or checksum does not match; it must be discarded and refetched."""
+
+
+def block_length(object_size: int, block_size: int, index: int) -> int:
+    return max(0, min(block_size, object_size - index * block_size))
+
+
+def chunk_count(data_length: int) -> int:
+    return max(1, -(-data_length // CHUNK))
+
+
+def header_length(data_length: int) -> int:
+    return HEAD_SIZE + SUM.size * chunk_count(data_length)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockId:
+    """One block: `oid` names its object at one version and block size, `index` the block."""
+
+    oid: str
+    index: int
+
+    @property
+    def name(self) -> str:
+        """What the agent's index, eviction, pins and hit reports call the block (and its file)."""
+        return f"{self.oid}-{self.index}"
+
+    @classmethod
+    def parse(cls, name: str) -> BlockId:
+        oid, _, index = name.rpartition("-")
+        return cls(oid, int(index))
+
+    def fixed_header(self, data_length: int) -> bytes:
+        """The header up to the checksums: what a block file of this identity and length must start with."""
+        return _HEAD.pack(MAGIC, header_length(data_length), data_length, CHUNK, chunk_count(data_length),
+                          bytes.fromhex(self.oid), self.index)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectBlocks:
+    """The blocks of one object version: the only place a block's identity is derived."""
+
+    oid: str
+    size: int
+    block_size: int
+
+    @property
+    def count(self) -> int:
+        return -(-self.size // self.block_size)
+
+    def block(self, index: int) -> BlockId:
+        return BlockId(self.oid, index)
+
+    def length(self, index: int) -> int:
+        return block_length(self.size, self.block_size, index)
+
+    def span(self, start: int, end: int) -> range:
+        """Indexes of the blocks that bytes [start, end) lie in."""
+        end = min(end, self.size)
+        return range(start // self.block_size, (end - 1) // self.block_size + 1) if end > start else range(0)
+
+
+def source_identity(url: str, options: dict[str, str]) -> str:
+    """What names a source in block identities: its URL and, for S3-compatible stores, the endpoint."""
+    return f"{url}|{options.get('endpoint', '')}"
+
+
+def object_blocks(url: str, options: dict[str, str], info: ObjectInfo, block_size: int, checked: bool) -> ObjectBlocks:
+    """The blocks of `info`'s version of an object of the source at `url` with source `options`.
+    `checked`: whether fetches verify the version at the source; blocks fetched without the
+    check (immutable mounts) may hold a newer version's bytes, so they get names of their own."""
+    if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block size {block_size} is outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
+    mark = "" if checked else "\0unchecked"
+    identity = f"{source_identity(url, options)}\0{info.key}\0{info.version}\0{block_size}{mark}"
+    return ObjectBlocks(xxhash.xxh3_128_hexdigest(identity.encode()), info.size, block_size)
+
+
+def encode(block: BlockId, data: memoryview | bytes) -> tuple[bytes, memoryview]:
+    """Header for `data` as block `block`; the caller writes header then data."""
+    view = memoryview(data).cast("B")
+    n = chunk_count(len(view))
+    sums = [xxhash.xxh3_64_intdigest(view[i * CHUNK : (i + 1) * CHUNK]) for i in range(n)]
+    return block.fixed_header(len(view)) + struct.pack(f"<{n}Q", *sums), view
+
+
+def verify(header: memoryview, expected: bytes, chunks: memoryview, first_chunk: int) -> None:
+    """Check the header against `expected` (`BlockId.fixed_header`) and `chunks` (starting at chunk
+    `first_chunk`, ending on a chunk boundary or at the end of the data) against their sums."""
+    if header[:HEAD_SIZE] != expected:
+        raise CorruptBlock("header does not match the block's identity or length")
+    for i in range(0, max(len(chunks), 1), CHUNK):
+        index = first_chunk + i // CHUNK
+        if xxhash.xxh3_64_intdigest(chunks[i : i + CHUNK]) != SUM.unpack_from(header, HEAD_SIZE + SUM.size * index)[0]:
+            raise CorruptBlock(f"checksum mismatch in chunk {index}")

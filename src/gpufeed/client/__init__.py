@@ -1,0 +1,8 @@
+"""The reading side of the one read path: `reader` (Client: path → handle → hit, agent fetch or
+source ranges), `plan` (pure: ranges → block pieces), `connection` (the agent socket), `file`
+(the file object)."""
+
+from gpufeed.client.file import FeedFile
+from gpufeed.client.reader import Client, ObjectHandle
+
+__all__ = ["Client", "FeedFile", "ObjectHandle"]

@@ -1,0 +1,1 @@
+"""The local protocol between readers and the node agent: typed messages (`messages`) and their framing (`codec`)."""
