@@ -54,26 +54,32 @@ class RetryPolicy:
         return Attempts(self)
 
     def note(self, failure: Retryable) -> None:
-        """Warn the first time this source sees this kind of failure; later ones are silent, so a
-        flaky store does not flood the log, yet a user learns that it is flaky."""
+        """Warn the first time a retry of this source got past this kind of failure; later ones
+        are silent, so a flaky store does not flood the log, yet a user learns that it is flaky.
+        A call that fails for good says so in its error alone: one line, not two."""
         if failure.kind in self.warned:
             return
         self.warned.add(failure.kind)
         log.warning(
-            "%s: %s (%s); retrying with backoff, further %s failures of this source are not logged",
+            "%s: %s (%s); retried with backoff, further %s failures of this source are not logged",
             self.where, failure.kind, failure.error, failure.kind,
         )
 
 
 class Attempts:
     """The attempts of one call. `failed` waits before the next attempt or raises the final
-    error; `progress` restarts the count when a long call (a listing) got somewhere."""
+    error; `progress` says an attempt got somewhere: the failures before it are logged and, for
+    a long call (a listing), the count restarts."""
 
     def __init__(self, policy: RetryPolicy) -> None:
         self.policy = policy
+        self.recovered: list[Retryable] = []
         self.progress()
 
     def progress(self) -> None:
+        for failure in self.recovered:
+            self.policy.note(failure)
+        self.recovered.clear()
         self.count = 0
         self.deadline = time.monotonic() + self.policy.timeout
 
@@ -82,7 +88,7 @@ class Attempts:
         delay = self.policy.delay(self.count)
         if self.count >= self.policy.attempts or time.monotonic() + delay > self.deadline:
             _give_up(failure)
-        self.policy.note(failure)
+        self.recovered.append(failure)
         return delay
 
     def failed(self, failure: Retryable) -> None:
@@ -101,9 +107,12 @@ def call(policy: RetryPolicy, attempt: Callable[[], T]) -> T:
     attempts = policy.begin()
     while True:
         try:
-            return attempt()
+            result = attempt()
         except Retryable as failure:
             attempts.failed(failure)
+        else:
+            attempts.progress()
+            return result
 
 
 async def call_async(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]]) -> T:
@@ -111,6 +120,9 @@ async def call_async(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]]) -
     attempts = policy.begin()
     while True:
         try:
-            return await attempt()
+            result = await attempt()
         except Retryable as failure:
             await attempts.failed_async(failure)
+        else:
+            attempts.progress()
+            return result
