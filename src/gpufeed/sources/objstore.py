@@ -259,7 +259,9 @@ class ObstoreSource:
                 SourceError(f"{where}: the store sent {len(data)} bytes for the {last - first} of [{first}, {last})"),
             )
         if (first, last) != (start, end):
-            raise ObjectChanged(f"{where}: the source returned bytes [{first}, {last}) for [{start}, {end}); it is {size} bytes now")
+            raise ObjectChanged(
+                f"{where}: the source returned {len(data)} bytes ([{first}, {last})) for [{start}, {end}); it is {size} bytes now"
+            )
         return start == 0 and end == size
 
     def _check_hashes(
