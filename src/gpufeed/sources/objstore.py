@@ -6,7 +6,10 @@ adapter; kinds differ only in how the store is built and, for HTTP, how it is li
 Every remote call is retried (`sources.retry`), and what a GET returns is checked before anyone
 sees it: its length always; for a read of a whole object, the manifest's content hash and, on
 S3, a plain ETag (the MD5 of a single-part upload). A range of an object cannot be checked
-against a hash of the whole: the caller that assembles the object checks it.
+against a hash of the whole: the caller that assembles the object checks it. obstore (0.12)
+exposes no other checksum of a GET (no S3 x-amz-checksum-*, GCS x-goog-hash or Azure
+Content-MD5 header): its GetResult carries only path, size, mtime, ETag, version and
+Content-*/Cache-Control/user metadata attributes.
 """
 
 from __future__ import annotations

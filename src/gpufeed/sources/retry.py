@@ -1,10 +1,12 @@
 """Retries for store calls: bounded by attempts and time, full-jitter backoff, one warning per
 source and kind of failure.
 
-obstore retries a request that fails before its body arrives, but not a body cut short, a
-listing page that breaks, or bytes that fail a check; those come here. A call marks a failure
-worth retrying by raising `Retryable` with the error to raise once retries run out; anything
-else (not found, changed, denied, invalid) passes straight through.
+obstore retries each HTTP request itself (3 times: connection errors, 5xx, a GET body that
+breaks off), but not a reset it saw too early, a body short of its own Content-Range, a listing
+page that does not parse, nor bytes that fail a check; and its retries can run out on a bad
+minute. This layer retries the whole call above it. A call marks a failure worth retrying by
+raising `Retryable` with the error to raise once retries run out; anything else (not found,
+changed, denied, invalid) passes straight through.
 """
 
 from __future__ import annotations
