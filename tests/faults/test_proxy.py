@@ -226,6 +226,14 @@ def test_s3_signatures_hold_through_the_proxy(signed_moto: SignedMoto, tmp_path:
         assert status == 403 and b"SignatureDoesNotMatch" in body
 
 
+def test_an_unreachable_upstream_is_a_502_naming_it(tmp_path: Path) -> None:
+    upstream = f"http://127.0.0.1:{free_port()}"
+    with injecting(upstream, tmp_path / "faults.log", seed=5, rates={"503": 0.5}, path_filter="never") as proxy:
+        status, _, body = _get(proxy.port, "/any")
+        assert status == 502 and upstream.encode() in body
+        assert (proxy.counts()["seed"], proxy.counts()["rates"]) == (5, {"503": 0.5})
+
+
 def test_bad_arguments_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     for args, expected in (
         (["--rate", "bogus=0.1"], "unknown fault 'bogus'"),
