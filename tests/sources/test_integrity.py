@@ -140,7 +140,8 @@ def test_a_wrong_hash_in_the_manifest_fails_a_local_read_at_once(tmp_path: Path)
     (tmp_path / "f").write_bytes(DATA)
     source = open_source(f"file://{tmp_path}", {}, Settings.from_env())
     expect = ObjectInfo("f", len(DATA), 0.0, None, "md5:" + "0" * 32)
-    with pytest.raises(ObjectCorrupted, match=rf"file://{tmp_path}/f: the bytes read hash to md5:{hashlib.md5(DATA).hexdigest()}"):
+    got = hashlib.md5(DATA).hexdigest()
+    with pytest.raises(ObjectCorrupted, match=rf"file://{tmp_path}/f: the bytes read hash to md5:{got}"):
         source.get_range("f", 0, len(DATA), expect, conditional=False)
     assert bytes(source.get_range("f", 0, len(DATA), ObjectInfo("f", len(DATA), 0.0), conditional=False)) == DATA
 

@@ -54,6 +54,7 @@ _XML_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 _STATUS = re.compile(r"status code: (\d{3} [A-Za-z ]+?)(?::|$)", re.MULTILINE)
 _SERVER_ERROR = re.compile(r"status code: 5\d\d|<Code>(SlowDown|InternalError|ServiceUnavailable)</Code>")
 _BODY_ERRORS = ("response body", "error decoding", "invalid list response", "connection reset", "unexpected eof")
+_AUTH_CODES = ("403 Forbidden", "401 Unauthorized", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied")
 _MD5_HEX = re.compile(r"[0-9a-fA-F]{32}")
 
 
@@ -127,7 +128,7 @@ class ObstoreSource:
             return InvalidArgument(f"{where}: {message}")
         if _is_connection_failure(message) or isinstance(exc, (ConnectionError, TimeoutError)):
             return SourceUnreachable(f"{where}: cannot reach the store ({message})")
-        if any(code in message for code in ("403 Forbidden", "401 Unauthorized", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied")):
+        if any(code in message for code in _AUTH_CODES):
             return SourceAuthError(f"{where}: access denied ({message})")
         return SourceError(f"{where}: {message}")
 
@@ -254,7 +255,9 @@ class ObstoreSource:
         where = self.where(key)
         size = int(result.meta["size"])
         if conditional and expect is not None and size != expect.size:
-            raise ObjectChanged(f"{where}: the object changed at the source since it was listed ({size} bytes, not {expect.size})")
+            raise ObjectChanged(
+                f"{where}: the object changed at the source since it was listed ({size} bytes, not {expect.size})"
+            )
         first, last = result.range
         if len(data) != last - first:
             raise Retryable(

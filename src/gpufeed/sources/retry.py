@@ -38,7 +38,13 @@ class RetryPolicy:
     from [0, bound] (full jitter, so clients that failed together do not retry together)."""
 
     def __init__(
-        self, where: str, timeout: float, attempts: int = 5, base: float = 0.05, cap: float = 2.0, rng: random.Random | None = None
+        self,
+        where: str,
+        timeout: float,
+        attempts: int = 5,
+        base: float = 0.05,
+        cap: float = 2.0,
+        rng: random.Random | None = None,
     ) -> None:
         self.where = where
         self.timeout = timeout
