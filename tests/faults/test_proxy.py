@@ -153,7 +153,7 @@ def test_same_seed_same_faults_in_any_order(nginx_faults: FaultControl, site: Si
     again = _run(nginx_faults, site, ranges[::-1], 8)
     nginx_faults.configure(seed=8, rates=rates)
     other = _run(nginx_faults, site, ranges, 1)
-    assert all(first_faults[name] > 10 for name in rates)
+    assert all(first_faults[name] > 0 for name in rates)
     assert first == again
     assert first != other
 
