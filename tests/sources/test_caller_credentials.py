@@ -17,6 +17,7 @@ from gpufeed.errors import InvalidArgument
 from gpufeed.sources import open_source
 from gpufeed.sources.stores import caller_credentials
 
+
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """No cloud credentials but those a test sets (the metadata endpoint stays on loopback)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import http.server
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from gpufeed.config import Settings
-from gpufeed.errors import InvalidArgument, PathNotFound, SourceAuthError, SourceError, SourceUnreachable
+from gpufeed.errors import (
+    InvalidArgument,
+    PathNotFound,
+    SourceAuthError,
+    SourceError,
+    SourceUnreachable,
+)
 from gpufeed.namespace import Namespace
 from gpufeed.sources import open_source
 from tests.conftest import Bucket, HttpServer
@@ -133,6 +141,36 @@ def test_bad_urls_and_options(url: str, options: dict[str, str], message: str) -
         open_source(url, options, Settings.from_env())
 
 
+@pytest.mark.parametrize("url", ["s3://b", "gs://b", "az://c"])
+@pytest.mark.parametrize(
+    ("endpoint", "message"),
+    [
+        ("127.0.0.1:9000", "endpoint must start with http:// or https://"),
+        ("ftp://host", "endpoint must start with http:// or https://"),
+        ("http://", "missing host"),
+        ("http://host:port", "Port could not be cast"),
+    ],
+)
+def test_a_malformed_endpoint_is_one_line(url: str, endpoint: str, message: str) -> None:
+    """obstore panics (45 lines of Rust) on an endpoint without a scheme; gpufeed answers first."""
+    result = subprocess.run(
+        [sys.executable, "-m", "gpufeed", "mount", "add", "/x", url, "-o", f"endpoint={endpoint}", "-o", "anonymous=true"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"gpufeed: error: {url}: endpoint {endpoint!r}: {message}"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "panicked" not in result.stderr
+
+
+def test_an_endpoint_without_scheme_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "localhost:9000")
+    with pytest.raises(InvalidArgument, match="endpoint 'localhost:9000': endpoint must start with http:// or https://"):
+        open_source("s3://b", {}, Settings.from_env())
+
+
 def test_gcs_and_azure_urls_parse(tmp_path: Path) -> None:
     gcs = open_source("gs://bucket/some/prefix/", {"anonymous": "true"}, Settings.from_env())
     assert gcs.url == "gs://bucket/some/prefix"
@@ -152,7 +190,7 @@ class _HtmlHandler(http.server.SimpleHTTPRequestHandler):
 
 def test_http_without_json_index_asks_for_a_listing_file(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_bytes(b"a")
-    handler = lambda *a, **k: _HtmlHandler(*a, directory=str(tmp_path), **k)  # noqa: E731
+    handler = lambda *a, **k: _HtmlHandler(*a, directory=str(tmp_path), **k)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -273,11 +273,8 @@ async def _serve(proxy: FaultProxy, port: int) -> None:
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    server = site._server
-    assert isinstance(server, asyncio.Server)
-    sys.stdout.write(f"{server.sockets[0].getsockname()[1]}\n")
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    sys.stdout.write(f"{runner.addresses[0][1]}\n")
     sys.stdout.flush()
     try:
         await until_parent_exits()

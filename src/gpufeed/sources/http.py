@@ -133,7 +133,8 @@ class HttpSource(ObstoreSource):
             page = json.loads(body)
         except ValueError:
             if says_json:
-                raise Retryable("broken response body", SourceError(f"{url}: the JSON index page is cut short or garbled")) from None
+                garbled = SourceError(f"{url}: the JSON index page is cut short or garbled")
+                raise Retryable("broken response body", garbled) from None
             page = None
         if not isinstance(page, list):
             raise SourceError(

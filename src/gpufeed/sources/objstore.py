@@ -6,7 +6,10 @@ adapter; kinds differ only in how the store is built and, for HTTP, how it is li
 Every remote call is retried (`sources.retry`), and what a GET returns is checked before anyone
 sees it: its length always; for a read of a whole object, the manifest's content hash and, on
 S3, a plain ETag (the MD5 of a single-part upload). A range of an object cannot be checked
-against a hash of the whole: the caller that assembles the object checks it.
+against a hash of the whole: the caller that assembles the object checks it. obstore (0.12)
+exposes no other checksum of a GET (no S3 x-amz-checksum-*, GCS x-goog-hash or Azure
+Content-MD5 header): its GetResult carries only path, size, mtime, ETag, version and
+Content-*/Cache-Control/user metadata attributes.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ _XML_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 _STATUS = re.compile(r"status code: (\d{3} [A-Za-z ]+?)(?::|$)", re.MULTILINE)
 _SERVER_ERROR = re.compile(r"status code: 5\d\d|<Code>(SlowDown|InternalError|ServiceUnavailable)</Code>")
 _BODY_ERRORS = ("response body", "error decoding", "invalid list response", "connection reset", "unexpected eof")
+_AUTH_CODES = ("403 Forbidden", "401 Unauthorized", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied")
 _MD5_HEX = re.compile(r"[0-9a-fA-F]{32}")
 
 
@@ -127,7 +131,7 @@ class ObstoreSource:
             return InvalidArgument(f"{where}: {message}")
         if _is_connection_failure(message) or isinstance(exc, (ConnectionError, TimeoutError)):
             return SourceUnreachable(f"{where}: cannot reach the store ({message})")
-        if any(code in message for code in ("403 Forbidden", "401 Unauthorized", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied")):
+        if any(code in message for code in _AUTH_CODES):
             return SourceAuthError(f"{where}: access denied ({message})")
         return SourceError(f"{where}: {message}")
 
@@ -256,7 +260,9 @@ class ObstoreSource:
         where = self.where(key)
         size = int(result.meta["size"])
         if conditional and expect is not None and size != expect.size:
-            raise ObjectChanged(f"{where}: the object changed at the source since it was listed ({size} bytes, not {expect.size})")
+            raise ObjectChanged(
+                f"{where}: the object changed at the source since it was listed ({size} bytes, not {expect.size})"
+            )
         first, last = result.range
         if len(data) != last - first:
             raise Retryable(
@@ -264,7 +270,9 @@ class ObstoreSource:
                 SourceError(f"{where}: the store sent {len(data)} bytes for the {last - first} of [{first}, {last})"),
             )
         if (first, last) != (start, end):
-            raise ObjectChanged(f"{where}: the source returned bytes [{first}, {last}) for [{start}, {end}); it is {size} bytes now")
+            raise ObjectChanged(
+                f"{where}: the source returned {len(data)} bytes ([{first}, {last})) for [{start}, {end}); it is {size} bytes now"
+            )
         return start == 0 and end == size
 
     def _check_hashes(

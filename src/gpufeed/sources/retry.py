@@ -1,10 +1,12 @@
 """Retries for store calls: bounded by attempts and time, full-jitter backoff, one warning per
 source and kind of failure.
 
-obstore retries a request that fails before its body arrives, but not a body cut short, a
-listing page that breaks, or bytes that fail a check; those come here. A call marks a failure
-worth retrying by raising `Retryable` with the error to raise once retries run out; anything
-else (not found, changed, denied, invalid) passes straight through.
+obstore retries each HTTP request itself (3 times: connection errors, 5xx, a GET body that
+breaks off), but not a reset it saw too early, a body short of its own Content-Range, a listing
+page that does not parse, nor bytes that fail a check; and its retries can run out on a bad
+minute. This layer retries the whole call above it. A call marks a failure worth retrying by
+raising `Retryable` with the error to raise once retries run out; anything else (not found,
+changed, denied, invalid) passes straight through.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ class RetryPolicy:
     from [0, bound] (full jitter, so clients that failed together do not retry together)."""
 
     def __init__(
-        self, where: str, timeout: float, attempts: int = 5, base: float = 0.05, cap: float = 2.0, rng: random.Random | None = None
+        self,
+        where: str,
+        timeout: float,
+        attempts: int = 5,
+        base: float = 0.05,
+        cap: float = 2.0,
+        rng: random.Random | None = None,
     ) -> None:
         self.where = where
         self.timeout = timeout
@@ -54,26 +62,32 @@ class RetryPolicy:
         return Attempts(self)
 
     def note(self, failure: Retryable) -> None:
-        """Warn the first time this source sees this kind of failure; later ones are silent, so a
-        flaky store does not flood the log, yet a user learns that it is flaky."""
+        """Warn the first time a retry of this source got past this kind of failure; later ones
+        are silent, so a flaky store does not flood the log, yet a user learns that it is flaky.
+        A call that fails for good says so in its error alone: one line, not two."""
         if failure.kind in self.warned:
             return
         self.warned.add(failure.kind)
         log.warning(
-            "%s: %s (%s); retrying with backoff, further %s failures of this source are not logged",
+            "%s: %s (%s); retried with backoff, further %s failures of this source are not logged",
             self.where, failure.kind, failure.error, failure.kind,
         )
 
 
 class Attempts:
     """The attempts of one call. `failed` waits before the next attempt or raises the final
-    error; `progress` restarts the count when a long call (a listing) got somewhere."""
+    error; `progress` says an attempt got somewhere: the failures before it are logged and, for
+    a long call (a listing), the count restarts."""
 
     def __init__(self, policy: RetryPolicy) -> None:
         self.policy = policy
+        self.recovered: list[Retryable] = []
         self.progress()
 
     def progress(self) -> None:
+        for failure in self.recovered:
+            self.policy.note(failure)
+        self.recovered.clear()
         self.count = 0
         self.deadline = time.monotonic() + self.policy.timeout
 
@@ -82,7 +96,7 @@ class Attempts:
         delay = self.policy.delay(self.count)
         if self.count >= self.policy.attempts or time.monotonic() + delay > self.deadline:
             _give_up(failure)
-        self.policy.note(failure)
+        self.recovered.append(failure)
         return delay
 
     def failed(self, failure: Retryable) -> None:
@@ -101,9 +115,12 @@ def call(policy: RetryPolicy, attempt: Callable[[], T]) -> T:
     attempts = policy.begin()
     while True:
         try:
-            return attempt()
+            result = attempt()
         except Retryable as failure:
             attempts.failed(failure)
+        else:
+            attempts.progress()
+            return result
 
 
 async def call_async(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]]) -> T:
@@ -111,6 +128,9 @@ async def call_async(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]]) -
     attempts = policy.begin()
     while True:
         try:
-            return await attempt()
+            result = await attempt()
         except Retryable as failure:
             await attempts.failed_async(failure)
+        else:
+            attempts.progress()
+            return result
