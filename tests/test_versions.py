@@ -207,6 +207,8 @@ def test_immutable_never_returns_a_short_read(store: Store, cache: bool) -> None
         gpufeed.read(PATH, 3 * BLOCK, 100)
     with pytest.raises(ObjectChanged, match=PATH):
         gpufeed.read(PATH)
+    store.replace(NEW + b"grown")
+    assert gpufeed.read(PATH) == NEW, "a grown object is read up to its listed size"
 
 
 # -- --max-age S: past S every open re-checks and reads the current version ---------------------
