@@ -5,6 +5,7 @@ Last-Modified) and S3 on moto (ETags). Objects are replaced at the source, never
 
 from __future__ import annotations
 
+import itertools
 import os
 import urllib.error
 import urllib.request
@@ -30,7 +31,6 @@ REFRESH = r"run 'gpufeed mount refresh /data'"
 
 @dataclass
 class Store:
-    kind: str
     url: str
     options: dict[str, str]
     replace: Callable[[bytes | None], None]
@@ -44,7 +44,7 @@ def _nginx_store(kind: str, server: HttpServer, data: bytes, tmp_path: Path) -> 
     path = server.root / site / KEY
     path.parent.mkdir()
     path.write_bytes(data)
-    marks = iter(range(1_000_000))
+    marks = itertools.count()
 
     def replace(new: bytes | None) -> None:
         if new is None:
@@ -77,7 +77,7 @@ def _nginx_store(kind: str, server: HttpServer, data: bytes, tmp_path: Path) -> 
         listing = tmp_path / "listing.txt"
         listing.write_text(f"{KEY} {len(data)}\n")
         options["list"] = str(listing)
-    return Store(kind, f"{server.url}/{site}", options, replace, requests)
+    return Store(f"{server.url}/{site}", options, replace, requests)
 
 
 OLD = os.urandom(3 * BLOCK + 100)
@@ -90,7 +90,11 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
     if request.param == "s3":
         bucket: Bucket = request.getfixturevalue("bucket")
         bucket.put(KEY, OLD)
-        return Store("s3", bucket.url, {"endpoint": bucket.endpoint}, lambda new: bucket.put(KEY, new) if new else bucket.delete(KEY))
+
+        def replace(new: bytes | None) -> None:
+            bucket.put(KEY, new) if new is not None else bucket.delete(KEY)
+
+        return Store(bucket.url, {"endpoint": bucket.endpoint}, replace)
     return _nginx_store(request.param, request.getfixturevalue("nginx"), OLD, tmp_path)
 
 
@@ -257,7 +261,8 @@ def test_max_age_deleted_object_is_a_clear_error(store: Store) -> None:
 # -- HTTP `KEY SIZE` entries: a version from the first open --------------------------------------
 
 
-def test_a_listed_entry_without_version_is_pinned_once_by_its_first_open(http_list: Store) -> None:
+def test_a_listed_entry_without_version_is_pinned_once_by_its_first_open(http_list: Store, namespace: Namespace) -> None:
+    """On both metadata engines (the `namespace` fixture points GPUFEED_META at SQLite, then Redis)."""
     assert http_list.requests is not None
     mount(http_list)
     assert http_list.requests() == [], "a KEY SIZE listing costs no request"
