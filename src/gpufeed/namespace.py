@@ -17,8 +17,10 @@ from gpufeed.config import Settings, parse_size, parse_verify
 from gpufeed.errors import (
     InvalidArgument,
     IsADirectory,
+    MetadataError,
     MountConflict,
     MountNotFound,
+    ObjectChanged,
     ObjectMissing,
     PathNotFound,
 )
@@ -276,8 +278,14 @@ class Namespace:
             yield FileStat.of(f"{where.mount.path}/{e.key}", e)
 
     def open_object(self, path: str) -> tuple[Resolved, Source, ObjectInfo]:
-        """Pin the version a read will use. With --max-age, a manifest older than the limit is
-        revalidated with one HEAD, and a changed object is recorded in the manifest."""
+        """Pin the version every read of one handle uses, so blocks of two versions never mix.
+
+        Normally that is the manifest's version and costs no store request. An entry listed
+        without one (an HTTP `--list` line `KEY SIZE`: no ETag, no mtime) takes it from one HEAD
+        on its first open (ETag, else Last-Modified) and records it, so later opens, in any
+        process, skip the HEAD; immutable mounts read unconditionally and skip it. With
+        --max-age, once the listing is older than the limit every open HEADs the object and a
+        changed one is recorded as its new version, which that handle then reads."""
         path = normalize(path)
         where = self.resolve(path)
         if where is None or where.key == "":
@@ -286,13 +294,30 @@ class Namespace:
         if entry.is_dir:
             raise IsADirectory(f"{path}: is a directory")
         mount, source, info = where.mount, self.source(where.mount), entry.object_info()
-        if mount.max_age is not None and time.time() - mount.listed_at > mount.max_age:
-            try:
-                current = source.head(where.key)
-            except ObjectMissing as exc:
-                raise ObjectMissing(f"{path}: deleted at the source since mount {mount.path} was listed ({exc})") from exc
-            if current.version != info.version:
-                parent, name = where.split
-                self.engine.put_entries(mount.generation, [Entry(parent, name, False, current.size, current.mtime, current.etag)])
-                info = current
-        return where, source, info
+        stale = mount.max_age is not None and time.time() - mount.listed_at > mount.max_age
+        unpinned = not mount.immutable and info.etag is None and info.mtime <= 0
+        if not (stale or unpinned):
+            return where, source, info
+        try:
+            current = source.head(where.key)
+        except ObjectMissing as exc:
+            raise ObjectMissing(_since_listed(path, "deleted", mount, str(exc))) from exc
+        if current.version == info.version:
+            return where, source, info
+        if unpinned and current.size == info.size:  # the listed object, now with its version (and any hash kept)
+            pinned = entry._replace(mtime=current.mtime, etag=current.etag)
+        elif stale:  # changed since listing: this open reads the new version
+            pinned = Entry(entry.parent, entry.name, False, current.size, current.mtime, current.etag)
+        else:
+            raise ObjectChanged(_since_listed(path, "changed", mount, f"listed {info.size} bytes, now {current.size}"))
+        try:
+            self.engine.put_entries(mount.generation, [pinned])
+        except MetadataError:
+            pass  # a read-only or full GPUFEED_HOME: this handle is pinned all the same; the next open pins again
+        return where, source, pinned.object_info()
+
+
+def _since_listed(path: str, what: str, mount: Mount, detail: str) -> str:
+    """The one-line error for an object that changed under its manifest, with the way out."""
+    where = mount.path
+    return f"{path}: {what} at the source since mount {where} was listed ({detail}); run 'gpufeed mount refresh {where}'"

@@ -31,8 +31,20 @@ def add(
     nspath: str = typer.Argument(..., help="Namespace path to mount at, e.g. /data."),
     url: str = typer.Argument(..., help="file:///dir, s3://bucket/prefix, gs://…, az://…, http(s)://host/prefix"),
     opt: list[str] = typer.Option([], "--opt", "-o", help="Source option key=value (repeatable)."),
-    immutable: bool = typer.Option(False, "--immutable", help="Objects never change: skip version checks."),
-    max_age: Optional[float] = typer.Option(None, "--max-age", help="Trust the manifest this many seconds, then revalidate on open."),
+    immutable: bool = typer.Option(
+        False,
+        "--immutable",
+        help="Promise that objects never change, so reads skip version checks: if one does change, its uncached "
+        "blocks come back with the new bytes (beside cached old ones); a short read still fails. Without this or "
+        "--max-age (strict), reads return only the listed version: its cached blocks are served, and a block "
+        "the store must send fails until 'gpufeed mount refresh'.",
+    ),
+    max_age: Optional[float] = typer.Option(
+        None,
+        "--max-age",
+        help="Trust the listing this many seconds; after that every open checks the object with one HEAD and "
+        "reads its current version. An open file keeps the version it opened with, as in strict mode.",
+    ),
     listing: Optional[str] = typer.Option(None, "--list", help="http(s) only: file listing 'KEY [SIZE]' per line."),
 ) -> None:
     """List a source once into a manifest and mount it."""

@@ -68,6 +68,9 @@ class HttpSource(ObstoreSource):
             yield self._complete(batch)
 
     def _complete(self, batch: builtins.list[tuple[str, int | None]]) -> builtins.list[ObjectInfo]:
+        """Lines without a size get one, and a version, from a HEAD. A `KEY SIZE` line costs no
+        request and carries no version (mtime 0, no ETag): the first open of it pins one
+        (`Namespace.open_object`), so reads are conditional from then on."""
         missing = [key for key, size in batch if size is None]
         heads: dict[str, ObjectInfo] = {}
         if missing:
