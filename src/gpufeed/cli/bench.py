@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +16,7 @@ from gpufeed.bench.report import table, write_json, write_plot
 from gpufeed.bench.runner import BenchConfig, run_bench
 from gpufeed.bench.workloads import WORKLOADS, Workload, workload
 from gpufeed.cli.console import err, human_bytes, out
-from gpufeed.errors import InvalidArgument
+from gpufeed.errors import GpufeedError, InvalidArgument
 from gpufeed.namespace import parse_options
 
 app = typer.Typer(help="Emulate a training job reading a source and measure how busy its accelerators stay.")
@@ -27,6 +28,15 @@ SAMPLES_PER_FILE = typer.Option(None, "--samples-per-file", help="Records per fi
 RECORD_SIZE = typer.Option(None, "--record-size", help="Bytes per sample.")
 OPTIONS = typer.Option([], "--opt", "-o", help="Source option key=value, as for 'mount add' (repeatable).")
 SEED = typer.Option(0, "--seed", help="Seed for data and shuffles.")
+
+
+EXTRA = ("matplotlib",)  # what `pip install 'gpufeed[bench]'` adds to the core dependencies
+
+
+def require_extra(command: str) -> None:
+    """The benchmark is an optional extra; without it, say how to get it before any work is done."""
+    if any(importlib.util.find_spec(name) is None for name in EXTRA):
+        raise GpufeedError(f"gpufeed {command} needs the bench extra: pip install 'gpufeed[bench]'")
 
 
 def progress(line: str) -> None:
@@ -77,6 +87,7 @@ def bench(
     seed: int = SEED,
 ) -> None:
     """Run the workload against --source in each mode; print AU, throughput and latency."""
+    require_extra("bench")
     if ctx.invoked_subcommand is not None:
         return
     if source is None:

@@ -9,7 +9,7 @@ import typer
 
 from gpufeed.bench import demo as experiment
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS
-from gpufeed.cli.bench import check_outputs, print_report, progress
+from gpufeed.cli.bench import check_outputs, print_report, progress, require_extra
 from gpufeed.cli.console import out
 
 
@@ -21,6 +21,7 @@ def demo(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
 ) -> None:
     """Generate a small resnet50-shaped dataset, serve it as a remote store, train on it in every mode."""
+    require_extra("demo")
     check_outputs(plot, json_out)
     work = experiment.demo_workload(samples, epochs)
     out.print(

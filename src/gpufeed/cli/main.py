@@ -9,7 +9,7 @@ import typer
 from typer.exceptions import TyperException
 
 from gpufeed.cli import agent, bench, cache, demo, files, mount, warmup
-from gpufeed.cli.console import err
+from gpufeed.cli.console import err, out
 from gpufeed.errors import GpufeedError
 
 app = typer.Typer(
@@ -22,8 +22,29 @@ app = typer.Typer(
 )
 
 
+def _version(show: bool) -> None:
+    if show:
+        out.print(f"gpufeed {package_version()}", highlight=False)
+        raise typer.Exit()
+
+
+def package_version() -> str:
+    """The installed distribution's version: one number, kept in pyproject.toml only."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gpufeed")
+    except PackageNotFoundError:
+        return "(not installed: run 'pip install -e .')"
+
+
 @app.callback()
-def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")) -> None:
+def main(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+    show_version: bool = typer.Option(
+        False, "--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """gpufeed command line."""
 
 
