@@ -86,7 +86,8 @@ def test_warmup_status_bad_input() -> None:
 
 @pytest.mark.parametrize("command", [["demo"], ["bench", "--source", "file:///nowhere"], ["bench", "generate", "file:///x"]])
 def test_bench_without_its_extra_says_how_to_get_it(command: list[str], tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-c", NO_MATPLOTLIB, *command], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    argv = [sys.executable, "-c", NO_MATPLOTLIB, *command]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     name = command[0]
     assert result.stderr == f"gpufeed: error: gpufeed {name} needs the bench extra: pip install 'gpufeed[bench]'\n"

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from gpufeed import warmup as warming
 from gpufeed.cli.console import err, human_bytes, out
@@ -20,7 +18,7 @@ from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument
 
 
-def _paths(paths: list[str], listing: Optional[Path]) -> list[str]:
+def _paths(paths: list[str], listing: Path | None) -> list[str]:
     wanted = list(paths)
     if listing is not None:
         try:
@@ -33,10 +31,10 @@ def _paths(paths: list[str], listing: Optional[Path]) -> list[str]:
 
 
 def warmup(
-    paths: Optional[list[str]] = typer.Argument(
+    paths: list[str] | None = typer.Argument(
         None, help="Namespace paths (files or directories), or 'status [PATH]...' to show running warmups."
     ),
-    listing: Optional[Path] = typer.Option(None, "--list", help="File with one namespace path per line."),
+    listing: Path | None = typer.Option(None, "--list", help="File with one namespace path per line."),
     concurrency: int = typer.Option(16, "--concurrency", "-p", min=1, max=1024, help="Files fetched at once."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print the total size and the cached fraction."),
 ) -> None:
@@ -58,8 +56,11 @@ def warmup(
                 total += item.size
                 cached += present
         fraction = cached / total if total else 1.0
-        out.print(f"{count} files, {human_bytes(total)}; {fraction:.1%} cached ({human_bytes(total - cached)} to fetch)", highlight=False)
+        to_fetch = human_bytes(total - cached)
+        out.print(f"{count} files, {human_bytes(total)}; {fraction:.1%} cached ({to_fetch} to fetch)", highlight=False)
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
     files = warming.files_under(client, wanted)
     columns = (
         TextColumn("warming"),
