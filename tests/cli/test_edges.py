@@ -84,6 +84,20 @@ def test_warmup_status_bad_input() -> None:
     assert "give one or more namespace paths" in fails(2, "warmup")
 
 
+def test_usage_errors_name_the_command_and_its_help() -> None:
+    assert fails(2, "cat") == "gpufeed: error: cat: Missing argument 'path' (see 'gpufeed cat --help')"
+    assert fails(2, "mount", "add", "/x").endswith("mount add: Missing argument 'url' (see 'gpufeed mount add --help')")
+    assert fails(2, "agent", "bogus").endswith("agent: No such command 'bogus' (see 'gpufeed agent --help')")
+    assert fails(2, "--bogus") == "gpufeed: error: No such option: --bogus (see 'gpufeed --help')"
+
+
+def test_a_group_alone_prints_its_help_and_no_empty_error() -> None:
+    for command in ([], ["cache"], ["mount"]):
+        result = gpufeed(*command)
+        assert result.returncode == 2
+        assert "Usage: gpufeed" in result.stdout and result.stderr == "", (command, result.stderr)
+
+
 @pytest.mark.parametrize("command", [["demo"], ["bench", "--source", "file:///nowhere"], ["bench", "generate", "file:///x"]])
 def test_bench_without_its_extra_says_how_to_get_it(command: list[str], tmp_path: Path) -> None:
     argv = [sys.executable, "-c", NO_MATPLOTLIB, *command]

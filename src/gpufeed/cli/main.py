@@ -66,6 +66,16 @@ def _fail(message: str, code: int, debug: bool) -> int:
     return code
 
 
+def _usage(exc: TyperException) -> str:
+    """A usage error names the command it is about and where its help is."""
+    message = exc.format_message().rstrip(".")
+    ctx = getattr(exc, "ctx", None)
+    if ctx is None:
+        return message
+    command = ctx.command_path.partition(" ")[2]
+    return f"{command + ': ' if command else ''}{message} (see '{ctx.command_path} --help')"
+
+
 def run(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     args = sys.argv[1:] if argv is None else argv
@@ -74,7 +84,10 @@ def run(argv: list[str] | None = None) -> None:
     try:
         code = command.main(args, prog_name="gpufeed", standalone_mode=False)
     except TyperException as exc:  # click's usage errors, as vendored by typer
-        code = _fail(exc.format_message(), getattr(exc, "exit_code", 2), debug)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `gpufeed mount` alone: its help was printed, as typer does
+            code = 2
+        else:
+            code = _fail(_usage(exc), getattr(exc, "exit_code", 2), debug)
     except typer.Exit as exc:
         code = exc.exit_code
     except typer.Abort:

@@ -38,9 +38,11 @@ def warmup(
     concurrency: int = typer.Option(16, "--concurrency", "-p", min=1, max=1024, help="Files fetched at once."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print the total size and the cached fraction."),
 ) -> None:
-    """Load PATHs into the cache through the agent; what is cached already is skipped, so a
-    warmup that was stopped resumes where it stopped. 'gpufeed warmup status [PATH]...' lists the
-    running ones (those touching PATH)."""
+    """Load PATHs into the node cache before a job reads them; 'warmup status' shows running ones.
+
+    What is cached already is skipped, so a warmup that was stopped resumes where it stopped.
+    'gpufeed warmup status [PATH]...' lists the running warmups (those reading under or
+    containing a PATH)."""
     if paths and paths[0] == "status":
         if listing is not None or dry_run:
             raise InvalidArgument("'warmup status' takes namespace paths only, not --list or --dry-run")
