@@ -106,3 +106,9 @@ def test_bench_without_its_extra_says_how_to_get_it(command: list[str], tmp_path
     name = command[0]
     assert result.stderr == f"gpufeed: error: gpufeed {name} needs the bench extra: pip install 'gpufeed[bench]'\n"
     assert list(tmp_path.iterdir()) == [], "nothing was written"
+
+
+def test_demo_refuses_an_output_it_could_not_write_before_running(tmp_path: Path) -> None:
+    assert fails(2, "demo", "--plot", str(tmp_path)) == f"gpufeed: error: {tmp_path}: is a directory; give a file name"
+    assert "does not exist" in fails(2, "demo", "--json", str(tmp_path / "no" / "r.json"))
+    assert list(tmp_path.iterdir()) == []

@@ -6,6 +6,7 @@ options' help needs; the benchmark itself (numpy, its servers, charts) loads whe
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,10 @@ def check_outputs(*paths: Path | None) -> None:
     for path in filter(None, paths):
         if not path.parent.is_dir():
             raise InvalidArgument(f"{path}: directory {path.parent} does not exist")
+        if path.is_dir():
+            raise InvalidArgument(f"{path}: is a directory; give a file name")
+        if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise InvalidArgument(f"{path}: not writable")
 
 
 def print_report(report: BenchReport, json_out: Path | None, plot: Path | None) -> None:
