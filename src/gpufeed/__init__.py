@@ -1,49 +1,131 @@
 """gpufeed: one namespace over every store, read through one path.
 
     import gpufeed
-    with gpufeed.open("/data/train/0001.jpg") as f:
+    with gpufeed.open("/data/train/0001.jpg", "rb") as f:
         header = f.read(16)
+
+Importing gpufeed is cheap on purpose (a DataLoader worker, a CLI `--help`, a script that only
+wants `gpufeed.errors`): the client, and with it obstore, aiohttp, numpy and redis, is imported
+on first use; torch, matplotlib and the CLI only by the modules that need them.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import sys
+import types
 
-from gpufeed.client import Client, FeedFile
-from gpufeed.errors import GpufeedError
-from gpufeed.namespace import FileStat
+TYPE_CHECKING = False  # typing costs an import; type checkers treat this name as True
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from gpufeed.client import Client, FeedFile
+    from gpufeed.errors import GpufeedError
+    from gpufeed.namespace import FileStat
+
+_LAZY = {
+    "Client": "gpufeed.client",
+    "FeedFile": "gpufeed.client",
+    "FileStat": "gpufeed.namespace",
+    "GpufeedError": "gpufeed.errors",
+}
 
 _default: Client | None = None
 _default_pid = -1
+
+
+class _Package(types.ModuleType):
+    """The package module. Importing the submodule `gpufeed.client` would set the attribute
+    `gpufeed.client` to that module, hiding the function `gpufeed.client()` for the rest of the
+    process; eagerly importing it first used to prevent that, lazily we refuse the overwrite."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "client" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str) -> object:
+    """`gpufeed.Client` and friends, imported on first access (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpufeed' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+def _path(path: object, caller: str) -> str:
+    """A namespace path from a str or os.PathLike; anything else is the caller's mistake, named."""
+    if type(path) is str:
+        return path
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+        if isinstance(path, str):
+            return path
+    raise TypeError(f"{caller}(): path must be a str or os.PathLike[str], not {type(path).__name__}")
+
+
+def _int(value: object, name: str, caller: str) -> int:
+    """An int, or anything that is one (numpy integers: `operator.index`), else a TypeError naming `name`."""
+    if type(value) is int:
+        return value
+    import operator
+
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{caller}(): {name} must be an int, not {type(value).__name__}") from None
 
 
 def client() -> Client:
     """The process-wide client, built from the environment on first use (and again after fork)."""
     global _default, _default_pid
     if _default is None or _default_pid != os.getpid():
+        from gpufeed.client import Client
+
         _default, _default_pid = Client(), os.getpid()
     return _default
 
 
-def open(path: str) -> FeedFile:  # noqa: A001 - mirrors the builtin on purpose
-    return client().open(path)
+def open(path: str | os.PathLike[str], mode: str = "rb") -> FeedFile:  # noqa: A001 - mirrors the builtin on purpose
+    """A seekable read-only binary file; `mode` exists so `open(p, "rb")` reads as the builtin does."""
+    if mode != "rb":
+        if not isinstance(mode, str):
+            raise TypeError(f"open(): mode must be a str, not {type(mode).__name__}")
+        if sorted(mode) != ["b", "r"]:
+            raise ValueError(f"open(): mode {mode!r} is not supported: gpufeed files are read-only and binary, use 'rb'")
+    return client().open(_path(path, "open"))
 
 
-def read(path: str, offset: int = 0, length: int | None = None) -> bytes:
+def read(path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> bytes:
+    """`length` bytes (all to the end when None) from `offset`."""
+    path = _path(path, "read")
+    offset = _int(offset, "offset", "read")
+    if length is not None:
+        length = _int(length, "length", "read")
     return client().read(path, offset, length)
 
 
-def ls(path: str) -> list[FileStat]:
-    return client().ls(path)
+def ls(path: str | os.PathLike[str]) -> list[FileStat]:
+    return client().ls(_path(path, "ls"))
 
 
-def stat(path: str) -> FileStat:
-    return client().stat(path)
+def stat(path: str | os.PathLike[str]) -> FileStat:
+    return client().stat(_path(path, "stat"))
 
 
-def walk(path: str) -> Iterator[FileStat]:
-    return client().walk(path)
+def walk(path: str | os.PathLike[str]) -> Iterator[FileStat]:
+    return client().walk(_path(path, "walk"))
 
 
 __all__ = ["Client", "FeedFile", "FileStat", "GpufeedError", "client", "ls", "open", "read", "stat", "walk"]

@@ -9,12 +9,15 @@ the throughput an H100 demands (about 1,800 samples/s), stay the reference's.
 
 from __future__ import annotations
 
-from gpufeed.bench.generate import generate
-from gpufeed.bench.metrics import BenchReport
+from typing import TYPE_CHECKING
+
 from gpufeed.bench.modes import MODES
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS
-from gpufeed.bench.runner import BenchConfig, Progress, interruptible, run_bench, scratch_dir
 from gpufeed.bench.workloads import WORKLOADS, Workload, workload
+
+if TYPE_CHECKING:  # the CLI reads this module's defaults for every command; running it imports the rest
+    from gpufeed.bench.metrics import BenchReport
+    from gpufeed.bench.runner import Progress
 
 SAMPLES = 5 * 1251
 EPOCHS = 2
@@ -32,6 +35,9 @@ def run_demo(
 ) -> BenchReport:
     """Generate, serve, mount and bench in every mode; the temp dir and everything started
     for it are gone when this returns or raises."""
+    from gpufeed.bench.generate import generate
+    from gpufeed.bench.runner import BenchConfig, interruptible, run_bench, scratch_dir
+
     with interruptible(), scratch_dir("gpufeed-demo-") as tmp:
         data = tmp / "resnet50"
         written = generate(work, f"file://{data}")

@@ -16,16 +16,18 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Protocol
 
 from gpufeed.client.connection import stop_agent
-from gpufeed.bench.dataset import Dataset
 from gpufeed.client import Client, ObjectHandle
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
 from gpufeed.prefetch import Prefetcher, Read
+
+if TYPE_CHECKING:  # annotations only: `gpufeed bench --help` reads MODES without importing numpy
+    import numpy as np
+
+    from gpufeed.bench.dataset import Dataset
 
 NO_CACHE = MappingProxyType({"cache": "off"})
 """Mount option of the modes that must read the source itself, never the node cache."""

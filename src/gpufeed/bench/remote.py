@@ -12,8 +12,6 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
-from gpufeed.bench.server import serving
-from gpufeed.bench.shaper import shaping
 from gpufeed.errors import InvalidArgument
 
 DEFAULT_LATENCY_MS = 20.0
@@ -35,6 +33,9 @@ def emulate_remote(
     url: str, options: dict[str, str], latency_ms: float, bandwidth_mbps: float | None, run_dir: Path
 ) -> Iterator[tuple[str, dict[str, str]]]:
     """Yields the (url, options) to mount instead of `url`: the same data behind the shaper."""
+    from gpufeed.bench.server import serving  # aiohttp's server: only a run that emulates a store needs it
+    from gpufeed.bench.shaper import shaping
+
     if latency_ms < 0:
         raise InvalidArgument(f"--latency-ms {latency_ms}: must be >= 0")
     if bandwidth_mbps is not None and bandwidth_mbps <= 0:

@@ -1,19 +1,23 @@
-"""`gpufeed agent` (foreground service) and `gpufeed agent start|stop|status`."""
+"""`gpufeed agent` (foreground service) and `gpufeed agent start|stop|status`.
+
+--cache-dir and --cache-size are accepted before the subcommand and after it (`agent start
+--cache-size 200GiB` is how people type it); after it wins."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import typer
 
 from gpufeed.client.connection import AgentClient, connect, stop_agent
-from gpufeed.agent.manager import AgentConfig
-from gpufeed.agent.service import run_agent
 from gpufeed.cli.console import human_bytes, out
 from gpufeed.config import Settings, parse_size
+from gpufeed.errors import GpufeedError
+from gpufeed.rpc.messages import AgentInfo
 
 app = typer.Typer(help="The node agent that owns the cache dir.", invoke_without_command=True)
 
@@ -21,69 +25,112 @@ DirsOption = typer.Option([], "--cache-dir", help="Cache dir (repeatable); defau
 SizeOption = typer.Option(None, "--cache-size", help="Quota, e.g. 200GiB; always bounded by free space.")
 
 
-def _settings(cache_dir: list[Path], cache_size: Optional[str]) -> Settings:
-    settings = Settings.from_env()
-    changes: dict = {}
-    if cache_dir:
-        changes["cache_dirs"] = tuple(d.expanduser().absolute() for d in cache_dir)
-    if cache_size:
-        changes["cache_size"] = parse_size(cache_size, "--cache-size")
-    return dataclasses.replace(settings, **changes)
+@dataclass(frozen=True)
+class Asked:
+    """The command line's --cache-dir and --cache-size, which a running agent is compared with:
+    it keeps the settings it started with."""
+
+    cache_dirs: tuple[Path, ...] = ()
+    cache_size: str | None = None
+
+    def over(self, earlier: Asked) -> Asked:
+        return Asked(self.cache_dirs or earlier.cache_dirs, self.cache_size or earlier.cache_size)
+
+    def settings(self) -> Settings:
+        settings = Settings.from_env()
+        changes: dict[str, Any] = {}
+        if self.cache_dirs:
+            changes["cache_dirs"] = tuple(d.expanduser().absolute() for d in self.cache_dirs)
+        if self.cache_size:
+            changes["cache_size"] = parse_size(self.cache_size, "--cache-size")
+        return dataclasses.replace(settings, **changes)
+
+
+def _asked(ctx: typer.Context, cache_dir: list[Path], cache_size: str | None = None) -> Asked:
+    return Asked(tuple(cache_dir), cache_size).over(ctx.obj)
+
+
+def _differences(asked: Asked, settings: Settings, hello: AgentInfo) -> list[str]:
+    """What the command line asked for that the running agent does not have."""
+    differ = []
+    if asked.cache_size and hello.quota != settings.cache_size:
+        differ.append(f"--cache-size {human_bytes(settings.cache_size)}")
+    dirs = [str(d) for d in settings.cache_dirs]
+    if asked.cache_dirs and hello.dirs != dirs:
+        differ.append(f"--cache-dir {' '.join(dirs)}")
+    return differ
+
+
+def _already(hello: AgentInfo) -> str:
+    return f"an agent already serves {', '.join(hello.dirs)} (pid {hello.pid}, quota {human_bytes(hello.quota)})"
+
+
+def _serving(hello: AgentInfo) -> str:
+    return f"agent {hello.pid} serving {', '.join(hello.dirs)} with a {human_bytes(hello.quota)} quota"
 
 
 @app.callback()
 def agent(
     ctx: typer.Context,
     cache_dir: list[Path] = DirsOption,
-    cache_size: Optional[str] = SizeOption,
-    idle_timeout: Optional[float] = typer.Option(None, "--idle-timeout", help="Exit after this many seconds without clients."),
+    cache_size: str | None = SizeOption,
+    idle_timeout: float | None = typer.Option(None, "--idle-timeout", help="Exit after this many seconds without clients."),
 ) -> None:
     """Run the agent in the foreground (a service), or manage one with a subcommand."""
+    asked = Asked(tuple(cache_dir), cache_size)
     if ctx.invoked_subcommand is not None:
-        ctx.obj = _settings(cache_dir, cache_size)
+        ctx.obj = asked
         return
-    settings = _settings(cache_dir, cache_size)
+    from gpufeed.agent.manager import AgentConfig  # only the service needs the agent's modules
+    from gpufeed.agent.service import run_agent
+
+    settings = asked.settings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
     config = AgentConfig(settings.cache_dirs, settings.cache_size, settings.cache_free_ratio, idle_timeout)
     run_agent(config, settings)
 
 
 @app.command()
-def start(ctx: typer.Context) -> None:
-    """Start a background agent (no idle timeout) unless one is running."""
-    settings: Settings = ctx.obj
+def start(ctx: typer.Context, cache_dir: list[Path] = DirsOption, cache_size: str | None = SizeOption) -> None:
+    """Start a background agent (no idle timeout) unless one is running; fails when one runs
+    with another quota or other dirs than --cache-size/--cache-dir ask for."""
+    asked = _asked(ctx, cache_dir, cache_size)
+    settings = asked.settings()
+    agent = AgentClient(settings)
     if (sock := connect(settings.cache_dirs[0])) is not None:
         sock.close()
-        out.print(f"an agent already serves {settings.cache_dirs[0]}", highlight=False)
+        hello = agent.stats(start=False)
+        if differ := _differences(asked, settings, hello):
+            raise GpufeedError(f"{_already(hello)}, not {' and '.join(differ)}: stop it first with 'gpufeed agent stop'")
+        advice = "to change its settings, stop it first with 'gpufeed agent stop'"
+        out.print(f"{_already(hello)}; {advice}", highlight=False, soft_wrap=True)
         return
-    agent = AgentClient(settings)
     agent.start(None).close()
-    info = agent.stats(start=False)
-    out.print(f"agent {info.pid} serving {', '.join(info.dirs)}", highlight=False)
+    out.print(_serving(agent.stats(start=False)), highlight=False, soft_wrap=True)
 
 
 @app.command()
-def stop(ctx: typer.Context) -> None:
+def stop(ctx: typer.Context, cache_dir: list[Path] = DirsOption) -> None:
     """Stop the agent for the cache dir; readers fall back or start a new one on demand."""
-    settings: Settings = ctx.obj
+    settings = _asked(ctx, cache_dir).settings()
     pid = stop_agent(settings)
     primary = settings.cache_dirs[0]
-    out.print(f"stopped agent {pid} for {primary}" if pid else f"no agent running for {primary}", highlight=False)
+    out.print(f"stopped agent {pid} for {primary}" if pid else f"no agent running for {primary}", highlight=False, soft_wrap=True)
 
 
 @app.command()
-def status(ctx: typer.Context) -> None:
+def status(ctx: typer.Context, cache_dir: list[Path] = DirsOption) -> None:
     """Show the running agent (exit 1 when none runs)."""
-    settings: Settings = ctx.obj
+    settings = _asked(ctx, cache_dir).settings()
     primary = settings.cache_dirs[0]
     if (sock := connect(primary)) is None:
-        out.print(f"no agent running for {primary}", highlight=False)
+        out.print(f"no agent running for {primary}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     sock.close()
     info = AgentClient(settings).stats()
     out.print(
-        f"agent {info.pid} serving {', '.join(info.dirs)}: {info.blocks} blocks, "
-        f"{human_bytes(info.bytes)} of {human_bytes(info.limit)}, {info.clients} clients, "
-        f"up {info.uptime_s:.0f} s",
+        f"{_serving(info)}: {info.blocks} blocks, {human_bytes(info.bytes)} of {human_bytes(info.limit)}, "
+        f"{info.clients} clients, up {info.uptime_s:.0f} s",
         highlight=False,
+        soft_wrap=True,
     )

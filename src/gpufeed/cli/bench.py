@@ -1,22 +1,26 @@
-"""`gpufeed bench` (a training-job emulator over a source) and `gpufeed bench generate`."""
+"""`gpufeed bench` (a training-job emulator over a source) and `gpufeed bench generate`.
+
+Every gpufeed command imports this module to build its parser, so it imports only what the
+options' help needs; the benchmark itself (numpy, its servers, charts) loads when it runs."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import typer
 
-from gpufeed.bench.generate import generate as write_dataset
-from gpufeed.bench.metrics import BenchReport
 from gpufeed.bench.modes import MODES, parse_modes
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS
-from gpufeed.bench.report import table, write_json, write_plot
-from gpufeed.bench.runner import BenchConfig, run_bench
 from gpufeed.bench.workloads import WORKLOADS, Workload, workload
 from gpufeed.cli.console import err, human_bytes, out
-from gpufeed.errors import InvalidArgument
+from gpufeed.errors import GpufeedError, InvalidArgument
 from gpufeed.namespace import parse_options
+
+if TYPE_CHECKING:
+    from gpufeed.bench.metrics import BenchReport
 
 app = typer.Typer(help="Emulate a training job reading a source and measure how busy its accelerators stay.")
 
@@ -27,20 +31,36 @@ SAMPLES_PER_FILE = typer.Option(None, "--samples-per-file", help="Records per fi
 RECORD_SIZE = typer.Option(None, "--record-size", help="Bytes per sample.")
 OPTIONS = typer.Option([], "--opt", "-o", help="Source option key=value, as for 'mount add' (repeatable).")
 SEED = typer.Option(0, "--seed", help="Seed for data and shuffles.")
+MODE_HELP = "Comma-separated modes, default all: " + "; ".join(f"{m.name}: {m.summary}" for m in MODES.values())
+
+
+EXTRA = ("matplotlib",)  # what `pip install 'gpufeed[bench]'` adds to the core dependencies
+
+
+def require_extra(command: str) -> None:
+    """The benchmark is an optional extra; without it, say how to get it before any work is done."""
+    if any(importlib.util.find_spec(name) is None for name in EXTRA):
+        raise GpufeedError(f"gpufeed {command} needs the bench extra: pip install 'gpufeed[bench]'")
 
 
 def progress(line: str) -> None:
     err.print(line, style="dim", markup=False, highlight=False)
 
 
-def check_outputs(*paths: Optional[Path]) -> None:
+def check_outputs(*paths: Path | None) -> None:
     """Refuse an output path in a missing directory before the run, not after it."""
     for path in filter(None, paths):
         if not path.parent.is_dir():
             raise InvalidArgument(f"{path}: directory {path.parent} does not exist")
+        if path.is_dir():
+            raise InvalidArgument(f"{path}: is a directory; give a file name")
+        if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise InvalidArgument(f"{path}: not writable")
 
 
-def print_report(report: BenchReport, json_out: Optional[Path], plot: Optional[Path]) -> None:
+def print_report(report: BenchReport, json_out: Path | None, plot: Path | None) -> None:
+    from gpufeed.bench.report import table, write_json, write_plot
+
     out.print(table(report))
     if json_out is not None:
         write_json(report, json_out)
@@ -53,35 +73,44 @@ def print_report(report: BenchReport, json_out: Optional[Path], plot: Optional[P
 @app.callback(invoke_without_command=True)
 def bench(
     ctx: typer.Context,
-    workload_name: Optional[str] = WORKLOAD,
-    source: Optional[str] = typer.Option(None, "--source", "-s", help="Dataset URL: file:///dir, s3://bucket/prefix, http://host/prefix."),
+    workload_name: str | None = WORKLOAD,
+    source: str | None = typer.Option(None, "--source", "-s", help="Dataset URL: file:///dir, s3://bucket/prefix, http://host/prefix."),
     opt: list[str] = OPTIONS,
-    mode: Optional[str] = typer.Option(
-        None, "--mode", "-m", help="Comma-separated modes, default all: " + "; ".join(f"{m.name}: {m.summary}" for m in MODES.values())
+    mode: str | None = typer.Option(None, "--mode", "-m", help=MODE_HELP),
+    epochs: int | None = typer.Option(None, "--epochs", help="Epochs per mode."),
+    latency_ms: float | None = typer.Option(
+        None,
+        "--latency-ms",
+        help=f"Emulate a remote store with this first-byte latency in ms ({DEFAULT_LATENCY_MS:g} with only --bandwidth).",
     ),
-    epochs: Optional[int] = typer.Option(None, "--epochs", help="Epochs per mode."),
-    latency_ms: Optional[float] = typer.Option(None, "--latency-ms", help="Emulate a remote store with this first-byte latency in ms (20 when only --bandwidth is given)."),
-    bandwidth: Optional[float] = typer.Option(None, "--bandwidth", help="Emulate a remote store capped at this many MB/s (10^6 bytes/s)."),
-    remote: bool = typer.Option(False, "--remote", help=f"Emulate a remote store with the default {DEFAULT_LATENCY_MS:g} ms latency."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart (AU and time per mode) here."),
-    record_size: Optional[int] = RECORD_SIZE,
-    samples: Optional[int] = SAMPLES,
-    samples_per_file: Optional[int] = SAMPLES_PER_FILE,
-    batch: Optional[int] = typer.Option(None, "--batch", help="Samples per batch."),
-    compute: Optional[float] = typer.Option(None, "--compute", help="Emulated accelerator seconds per batch."),
-    accelerators: Optional[int] = typer.Option(None, "--accelerators", help="Emulated accelerators (data-parallel, lockstep)."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="DataLoader worker processes per accelerator."),
-    prefetch: Optional[int] = typer.Option(None, "--prefetch", help="Batches in flight per worker (prefetch_factor)."),
-    scale: Optional[float] = SCALE,
+    bandwidth: float | None = typer.Option(
+        None, "--bandwidth", help="Emulate a remote store capped at this many MB/s (10^6 bytes/s)."
+    ),
+    remote: bool = typer.Option(
+        False, "--remote", help=f"Emulate a remote store with the default {DEFAULT_LATENCY_MS:g} ms latency."
+    ),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG chart (AU and time per mode) here."),
+    record_size: int | None = RECORD_SIZE,
+    samples: int | None = SAMPLES,
+    samples_per_file: int | None = SAMPLES_PER_FILE,
+    batch: int | None = typer.Option(None, "--batch", help="Samples per batch."),
+    compute: float | None = typer.Option(None, "--compute", help="Emulated accelerator seconds per batch."),
+    accelerators: int | None = typer.Option(None, "--accelerators", help="Emulated accelerators (data-parallel, lockstep)."),
+    workers: int | None = typer.Option(None, "--workers", help="DataLoader worker processes per accelerator."),
+    prefetch: int | None = typer.Option(None, "--prefetch", help="Batches in flight per worker (prefetch_factor)."),
+    scale: float | None = SCALE,
     seed: int = SEED,
 ) -> None:
     """Run the workload against --source in each mode; print AU, throughput and latency."""
+    require_extra("bench")
     if ctx.invoked_subcommand is not None:
         return
     if source is None:
         raise InvalidArgument("--source URL is required (write a dataset with 'gpufeed bench generate')")
     check_outputs(json_out, plot)
+    from gpufeed.bench.runner import BenchConfig, run_bench
+
     work = workload(
         workload_name,
         scale=scale,
@@ -110,15 +139,17 @@ def bench(
 @app.command("generate")
 def generate(
     dest: str = typer.Argument(..., help="Where to write: file:///dir, s3://bucket/prefix, gs://…, az://…"),
-    workload_name: Optional[str] = WORKLOAD,
-    scale: Optional[float] = SCALE,
-    samples: Optional[int] = SAMPLES,
-    samples_per_file: Optional[int] = SAMPLES_PER_FILE,
-    record_size: Optional[int] = RECORD_SIZE,
+    workload_name: str | None = WORKLOAD,
+    scale: float | None = SCALE,
+    samples: int | None = SAMPLES,
+    samples_per_file: int | None = SAMPLES_PER_FILE,
+    record_size: int | None = RECORD_SIZE,
     opt: list[str] = OPTIONS,
     seed: int = SEED,
 ) -> None:
     """Write a dataset of the workload's shape (random bytes; valid npz and JPEG files)."""
+    from gpufeed.bench.generate import generate as write_dataset
+
     work: Workload = workload(
         workload_name, scale=scale, samples=samples, samples_per_file=samples_per_file, record_size=record_size
     )

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from gpufeed.bench import demo as experiment
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS
-from gpufeed.cli.bench import check_outputs, print_report, progress
+from gpufeed.cli.bench import check_outputs, print_report, progress, require_extra
 from gpufeed.cli.console import out
 
 
@@ -18,9 +17,10 @@ def demo(
     epochs: int = typer.Option(experiment.EPOCHS, "--epochs", help="Epochs per mode."),
     latency_ms: float = typer.Option(DEFAULT_LATENCY_MS, "--latency-ms", help="First-byte latency of the emulated store."),
     plot: Path = typer.Option(Path("gpufeed-demo.png"), "--plot", help="Where to write the chart."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the results as JSON here."),
 ) -> None:
     """Generate a small resnet50-shaped dataset, serve it as a remote store, train on it in every mode."""
+    require_extra("demo")
     check_outputs(plot, json_out)
     work = experiment.demo_workload(samples, epochs)
     out.print(

@@ -9,7 +9,7 @@ import typer
 from typer.exceptions import TyperException
 
 from gpufeed.cli import agent, bench, cache, demo, files, mount, warmup
-from gpufeed.cli.console import err
+from gpufeed.cli.console import err, out
 from gpufeed.errors import GpufeedError
 
 app = typer.Typer(
@@ -22,8 +22,29 @@ app = typer.Typer(
 )
 
 
+def _version(show: bool) -> None:
+    if show:
+        out.print(f"gpufeed {package_version()}", highlight=False)
+        raise typer.Exit()
+
+
+def package_version() -> str:
+    """The installed distribution's version: one number, kept in pyproject.toml only."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gpufeed")
+    except PackageNotFoundError:
+        return "(not installed: run 'pip install -e .')"
+
+
 @app.callback()
-def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")) -> None:
+def main(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+    show_version: bool = typer.Option(
+        False, "--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """gpufeed command line."""
 
 
@@ -45,6 +66,16 @@ def _fail(message: str, code: int, debug: bool) -> int:
     return code
 
 
+def _usage(exc: TyperException) -> str:
+    """A usage error names the command it is about and where its help is."""
+    message = exc.format_message().rstrip(".")
+    ctx = getattr(exc, "ctx", None)
+    if ctx is None:
+        return message
+    command = ctx.command_path.partition(" ")[2]
+    return f"{command + ': ' if command else ''}{message} (see '{ctx.command_path} --help')"
+
+
 def run(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     args = sys.argv[1:] if argv is None else argv
@@ -53,7 +84,10 @@ def run(argv: list[str] | None = None) -> None:
     try:
         code = command.main(args, prog_name="gpufeed", standalone_mode=False)
     except TyperException as exc:  # click's usage errors, as vendored by typer
-        code = _fail(exc.format_message(), getattr(exc, "exit_code", 2), debug)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `gpufeed mount` alone: its help was printed, as typer does
+            code = 2
+        else:
+            code = _fail(_usage(exc), getattr(exc, "exit_code", 2), debug)
     except typer.Exit as exc:
         code = exc.exit_code
     except typer.Abort:

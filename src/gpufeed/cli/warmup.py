@@ -1,16 +1,16 @@
-"""`gpufeed warmup PATH... [--list FILE] [--concurrency N] [--dry-run]` and `gpufeed warmup status`.
+"""`gpufeed warmup PATH... [--list FILE] [--concurrency N] [--dry-run]` and `gpufeed warmup status [PATH]...`.
 
-Namespace paths are absolute, so the word `status` cannot be one: it selects the status view.
+Namespace paths are absolute, so the word `status` cannot be one: as the first argument it selects
+the status view, and the paths after it narrow that view to the warmups that touch them. (A click
+sub-command would not do: the group's variadic PATH argument swallows its name.)
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from gpufeed import warmup as warming
 from gpufeed.cli.console import err, human_bytes, out
@@ -18,8 +18,7 @@ from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument
 
 
-
-def _paths(paths: list[str], listing: Optional[Path]) -> list[str]:
+def _paths(paths: list[str], listing: Path | None) -> list[str]:
     wanted = list(paths)
     if listing is not None:
         try:
@@ -32,15 +31,22 @@ def _paths(paths: list[str], listing: Optional[Path]) -> list[str]:
 
 
 def warmup(
-    paths: Optional[list[str]] = typer.Argument(None, help="Namespace paths (files or directories), or 'status'."),
-    listing: Optional[Path] = typer.Option(None, "--list", help="File with one namespace path per line."),
+    paths: list[str] | None = typer.Argument(
+        None, help="Namespace paths (files or directories), or 'status [PATH]...' to show running warmups."
+    ),
+    listing: Path | None = typer.Option(None, "--list", help="File with one namespace path per line."),
     concurrency: int = typer.Option(16, "--concurrency", "-p", min=1, max=1024, help="Files fetched at once."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print the total size and the cached fraction."),
 ) -> None:
-    """Load PATHs into the cache through the agent; what is cached already is skipped, so a
-    warmup that was stopped resumes where it stopped. 'gpufeed warmup status' lists running ones."""
-    if paths == ["status"]:
-        status()
+    """Load PATHs into the node cache before a job reads them; 'warmup status' shows running ones.
+
+    What is cached already is skipped, so a warmup that was stopped resumes where it stopped.
+    'gpufeed warmup status [PATH]...' lists the running warmups (those reading under or
+    containing a PATH)."""
+    if paths and paths[0] == "status":
+        if listing is not None or dry_run:
+            raise InvalidArgument("'warmup status' takes namespace paths only, not --list or --dry-run")
+        status(paths[1:])
         return
     client = Client()
     wanted = _paths(paths or [], listing)
@@ -52,8 +58,11 @@ def warmup(
                 total += item.size
                 cached += present
         fraction = cached / total if total else 1.0
-        out.print(f"{count} files, {human_bytes(total)}; {fraction:.1%} cached ({human_bytes(total - cached)} to fetch)", highlight=False)
+        to_fetch = human_bytes(total - cached)
+        out.print(f"{count} files, {human_bytes(total)}; {fraction:.1%} cached ({to_fetch} to fetch)", highlight=False)
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
     files = warming.files_under(client, wanted)
     columns = (
         TextColumn("warming"),
@@ -78,11 +87,26 @@ def warmup(
     )
 
 
-def status() -> None:
-    """Show the warmups running on this node."""
-    running = list(warming.running(Client()))
+def _touches(warming_paths: list[str], wanted: list[str]) -> bool:
+    """Whether a warmup of `warming_paths` reads anything under (or containing) a path in `wanted`."""
+    if not wanted:
+        return True
+    return any(_under(a, b) or _under(b, a) for a in warming_paths for b in wanted)
+
+
+def _under(path: str, top: str) -> bool:
+    top = top.rstrip("/")
+    return path == top or path.startswith(top + "/") or not top
+
+
+def status(wanted: list[str]) -> None:
+    """Show the warmups running on this node, those touching `wanted` when paths are given."""
+    for path in wanted:
+        if not path.startswith("/"):
+            raise InvalidArgument(f"warmup status {path}: namespace paths start with '/'")
+    running = [p for p in warming.running(Client()) if _touches(p.paths, wanted)]
     if not running:
-        out.print("no warmup running", highlight=False)
+        out.print("no warmup running" + (f" under {' '.join(wanted)}" if wanted else ""), highlight=False)
         return
     for p in running:
         share = p.done_bytes / p.bytes if p.bytes else 1.0
