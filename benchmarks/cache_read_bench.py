@@ -29,13 +29,12 @@ import time
 from collections.abc import Callable
 
 import fsspec
+from common import scratch_home
 
 import gpufeed
 from gpufeed.cache.openfiles import capacity_for
 from gpufeed.client import ObjectHandle
 from gpufeed.namespace import Namespace
-
-from common import scratch_home
 
 BATCH = 64
 
@@ -132,7 +131,8 @@ def main() -> None:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         sys.stdout.write(
             f"warm random reads: {args.reads:,} reads of {args.size:,} B over {args.files:,} files; this process may hold "
-            f"{capacity_for(client.settings.open_blocks):,} block files mapped (GPUFEED_OPEN_BLOCKS, at most ulimit -n {soft:,} / 4)\n"
+            f"{capacity_for(client.settings.open_blocks):,} block files mapped "
+            f"(GPUFEED_OPEN_BLOCKS, at most ulimit -n {soft:,} / 4)\n"
         )
         measured = rates(
             {
@@ -148,7 +148,8 @@ def main() -> None:
         client.hits.flush()
         raw_label, simple_label = "raw os.open+pread+close", "fsspec simplecache::"
         sys.stdout.write(
-            f"read_range / raw pread             = {ratio(measured, 'gpufeed read_range (handles)', raw_label)}  (goal >= 0.8, floor 0.7)\n"
+            f"read_range / raw pread             = {ratio(measured, 'gpufeed read_range (handles)', raw_label)}"
+            "  (goal >= 0.8, floor 0.7)\n"
             f"verify=never / raw pread           = {ratio(measured, 'gpufeed read_range, verify=never', raw_label)}\n"
             f"gpufeed.read(path) / raw pread     = {ratio(measured, 'gpufeed.read(path)', raw_label)}\n"
             f"read_range / simplecache::         = {ratio(measured, 'gpufeed read_range (handles)', simple_label)}  (floor 3x)\n"

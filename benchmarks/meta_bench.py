@@ -198,12 +198,16 @@ def main() -> None:
             env.pop("GPUFEED_META", None)
             real = spawn(env, "--real", str(args.real))
 
-    header = f"{'engine':8} {'objects':>9} {'ingest s':>9} {'obj/s':>9} {'peak RSS +MiB':>14} {'stat p50 us':>12} {'stat p99 us':>12} {'ls 10k ms':>10}"
+    header = (
+        f"{'engine':8} {'objects':>9} {'ingest s':>9} {'obj/s':>9} {'peak RSS +MiB':>14} "
+        f"{'stat p50 us':>12} {'stat p99 us':>12} {'ls 10k ms':>10}"
+    )
     sys.stdout.write(header + "\n")
     for engine, r in rows:
         sys.stdout.write(
             f"{engine:8} {r['objects']:>9,} {r['ingest_s']:>9.1f} {r['ingest_objects_per_s']:>9,.0f} "
-            f"{r['peak_rss_growth_mib']:>14.1f} {r['stat_p50_us']:>12.1f} {r['stat_p99_us']:>12.1f} {r['ls_10k_median_ms']:>10.1f}\n"
+            f"{r['peak_rss_growth_mib']:>14.1f} {r['stat_p50_us']:>12.1f} {r['stat_p99_us']:>12.1f} "
+            f"{r['ls_10k_median_ms']:>10.1f}\n"
         )
     for engine, r in rows:
         if r["objects"] == args.objects:
@@ -213,7 +217,8 @@ def main() -> None:
             )
     if args.real:
         sys.stdout.write(
-            f"file:// mount add of {real['objects']:,} real files: {real['mount_add_s']:.1f} s ({real['objects_per_s']:,.0f} objects/s)\n"
+            f"file:// mount add of {real['objects']:,} real files: {real['mount_add_s']:.1f} s "
+            f"({real['objects_per_s']:,.0f} objects/s)\n"
         )
 
 

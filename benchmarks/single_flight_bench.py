@@ -19,11 +19,11 @@ import sys
 import threading
 import time
 
+from common import scratch_home
+
 import gpufeed
 from gpufeed.bench.server import serving
 from gpufeed.namespace import Namespace
-
-from common import scratch_home
 
 
 def reader(paths: list[str], threads: int, offset: int, results: multiprocessing.Queue) -> None:
@@ -82,7 +82,8 @@ def main() -> None:
         sys.stdout.write(
             f"{args.processes} processes x {args.threads} threads read the same {args.objects:,} cold objects "
             f"({readers * args.objects:,} reads) in {elapsed:.1f} s, every byte checked\n"
-            f"GETs at the store: {gets:,} (one per object: {args.objects:,}; without single flight up to {readers * args.objects:,})\n"
+            f"GETs at the store: {gets:,} (one per object: {args.objects:,}; "
+            f"without single flight up to {readers * args.objects:,})\n"
             f"GETs per object: {gets / args.objects:.3f}\n"
         )
 

@@ -28,16 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from common import scratch_home
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 import gpufeed
 from gpufeed.bench.children import free_port, helper
 from gpufeed.bench.shaper import shaping
+from gpufeed.integrations.torch import FeedDataset, FeedSampler
 from gpufeed.namespace import Namespace
-from gpufeed.torch import FeedDataset, FeedSampler
-
-from common import scratch_home
 
 BUCKET = "torch-loop"
 FEATURES = 4096

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.client.connection import stop_agent
 from gpufeed.bench.children import free_port, helper
+from gpufeed.client.connection import stop_agent
 from gpufeed.config import Settings
 from gpufeed.namespace import Namespace
 

@@ -64,29 +64,6 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
 
-def _path(path: object, caller: str) -> str:
-    """A namespace path from a str or os.PathLike; anything else is the caller's mistake, named."""
-    if type(path) is str:
-        return path
-    if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-        if isinstance(path, str):
-            return path
-    raise TypeError(f"{caller}(): path must be a str or os.PathLike[str], not {type(path).__name__}")
-
-
-def _int(value: object, name: str, caller: str) -> int:
-    """An int, or anything that is one (numpy integers: `operator.index`), else a TypeError naming `name`."""
-    if type(value) is int:
-        return value
-    import operator
-
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{caller}(): {name} must be an int, not {type(value).__name__}") from None
-
-
 def client() -> Client:
     """The process-wide client, built from the environment on first use (and again after fork)."""
     global _default, _default_pid
@@ -99,33 +76,24 @@ def client() -> Client:
 
 def open(path: str | os.PathLike[str], mode: str = "rb") -> FeedFile:  # noqa: A001 - mirrors the builtin on purpose
     """A seekable read-only binary file; `mode` exists so `open(p, "rb")` reads as the builtin does."""
-    if mode != "rb":
-        if not isinstance(mode, str):
-            raise TypeError(f"open(): mode must be a str, not {type(mode).__name__}")
-        if sorted(mode) != ["b", "r"]:
-            raise ValueError(f"open(): mode {mode!r} is not supported: gpufeed files are read-only and binary, use 'rb'")
-    return client().open(_path(path, "open"))
+    return client().open(path, mode)
 
 
 def read(path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> bytes:
     """`length` bytes (all to the end when None) from `offset`."""
-    path = _path(path, "read")
-    offset = _int(offset, "offset", "read")
-    if length is not None:
-        length = _int(length, "length", "read")
     return client().read(path, offset, length)
 
 
 def ls(path: str | os.PathLike[str]) -> list[FileStat]:
-    return client().ls(_path(path, "ls"))
+    return client().ls(path)
 
 
 def stat(path: str | os.PathLike[str]) -> FileStat:
-    return client().stat(_path(path, "stat"))
+    return client().stat(path)
 
 
 def walk(path: str | os.PathLike[str]) -> Iterator[FileStat]:
-    return client().walk(_path(path, "walk"))
+    return client().walk(path)
 
 
 __all__ = ["Client", "FeedFile", "FileStat", "GpufeedError", "client", "ls", "open", "read", "stat", "walk"]

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 import gpufeed
-from gpufeed.rpc import codec
-from gpufeed.rpc.messages import Done, Hello, Shutdown
-from gpufeed.client.connection import AgentClient, gone, connect, stop_agent
 from gpufeed.client import Client
+from gpufeed.client.connection import AgentClient, connect, gone, stop_agent
 from gpufeed.config import Settings
 from gpufeed.errors import ObjectChanged
 from gpufeed.namespace import Namespace
+from gpufeed.rpc import codec
+from gpufeed.rpc.messages import Done, Hello, Shutdown
 from tests.conftest import Bucket, HttpServer
 
 

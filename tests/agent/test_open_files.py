@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.client.connection import HIT_CHECK_EVERY, AgentClient
 from gpufeed.cache.openfiles import DELETIONS, capacity_for
 from gpufeed.client import Client
+from gpufeed.client.connection import HIT_CHECK_EVERY, AgentClient
 from gpufeed.namespace import Namespace
 from tests.agent.test_agent import make_files
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpufeed.shuffle import epoch_permutation as epoch_order
 from gpufeed.bench.modes import MODES, parse_modes
 from gpufeed.bench.workloads import WORKLOADS, workload
 from gpufeed.errors import InvalidArgument
+from gpufeed.shuffle import epoch_permutation as epoch_order
 
 
 def test_reference_defaults() -> None:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.cache import blockfile
 from gpufeed.blocks import HEAD_SIZE, SMALL_HEAD, CorruptBlock, ObjectBlocks, object_blocks
+from gpufeed.cache import blockfile
 from gpufeed.cache.layout import BlockRef
-from gpufeed.sources.base import ObjectInfo
 from gpufeed.cache.openfiles import DeletionCounter, OpenBlocks
+from gpufeed.sources.base import ObjectInfo
 
 
 def identity(size: int, block_size: int = 4 << 20, key: str = "key") -> ObjectBlocks:

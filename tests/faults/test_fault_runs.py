@@ -142,7 +142,7 @@ def _read_all(mount: str, objects: dict[str, bytes], wrong_paths: set[str] | Non
             continue
         tally.duplicates += max(0, len(got) - len(batch))
         tally.missing += max(0, len(batch) - len(got))
-        results += [(key, bytes(data)) for key, data in zip(batch, got)]
+        results += [(key, bytes(data)) for key, data in zip(batch, got, strict=True)]
     for key in alone:
         try:
             results.append((key, gpufeed.read(f"{mount}/{key}")))

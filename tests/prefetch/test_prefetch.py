@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import gpufeed
-from gpufeed.prefetch import Prefetcher, Read
 from gpufeed.namespace import Namespace
+from gpufeed.prefetch import Prefetcher, Read
 
 
 def agent_stats() -> dict:

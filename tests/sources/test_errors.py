@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import http.server
 import socket
 import subprocess
@@ -190,7 +191,7 @@ class _HtmlHandler(http.server.SimpleHTTPRequestHandler):
 
 def test_http_without_json_index_asks_for_a_listing_file(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_bytes(b"a")
-    handler = lambda *a, **k: _HtmlHandler(*a, directory=str(tmp_path), **k)
+    handler = functools.partial(_HtmlHandler, directory=str(tmp_path))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -16,8 +16,8 @@ import queue
 import signal
 import time
 from collections.abc import Callable, Iterator
-from itertools import islice
 from dataclasses import dataclass
+from itertools import islice
 from multiprocessing.context import ForkServerContext, SpawnContext
 from types import TracebackType
 from typing import Any

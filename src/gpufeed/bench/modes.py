@@ -18,8 +18,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
-from gpufeed.client.connection import stop_agent
 from gpufeed.client import Client, ObjectHandle
+from gpufeed.client.connection import stop_agent
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
 from gpufeed.prefetch import Prefetcher, Read

@@ -175,7 +175,8 @@ def run_bench(config: BenchConfig, progress: Progress = lambda line: None) -> Be
             try:
                 dataset = Dataset.from_mount(client, path, config.work)
                 if report is None:
-                    progress(f"reading {dataset.samples} samples from {len(dataset.paths)} files, {dataset.bytes / 2**20:,.0f} MiB")
+                    mib = dataset.bytes / 2**20
+                    progress(f"reading {dataset.samples} samples from {len(dataset.paths)} files, {mib:,.0f} MiB")
                     report = BenchReport(
                         config.work,
                         config.source,

@@ -13,8 +13,8 @@ from typing import Any
 
 import typer
 
-from gpufeed.client.connection import AgentClient, connect, stop_agent
 from gpufeed.cli.console import human_bytes, out
+from gpufeed.client.connection import AgentClient, connect, stop_agent
 from gpufeed.config import Settings, parse_size
 from gpufeed.errors import GpufeedError
 from gpufeed.rpc.messages import AgentInfo

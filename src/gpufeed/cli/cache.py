@@ -5,9 +5,9 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from gpufeed.client.connection import AgentClient
 from gpufeed.cli.console import human_bytes, out
 from gpufeed.client import Client
+from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
 
 app = typer.Typer(help="Inspect and manage the node cache.", no_args_is_help=True)

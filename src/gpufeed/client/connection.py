@@ -330,6 +330,7 @@ def stop_agent(settings: Settings, timeout: float = 10.0) -> int | None:
     returns its pid, or None when no agent was running. An agent of another release, which
     refuses this one's messages, is sent SIGTERM by the pid in its state file."""
     agent = AgentClient(settings)
+    pid: int | None
     try:
         pid = agent.stats(start=False).pid
         agent.request(Shutdown(), Done, start=False)

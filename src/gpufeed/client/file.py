@@ -6,6 +6,7 @@ import io
 import os
 from typing import TYPE_CHECKING
 
+from gpufeed import arguments
 from gpufeed.cache import blockfile
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class FeedFile(io.RawIOBase):
 
     def read(self, size: int | None = -1) -> bytes:
         self._checkClosed()
+        if size is not None and type(size) is not int:
+            size = arguments.integer(size, "size", "read")
         end = self.size if size is None or size < 0 else self._pos + size
         data = self._client.read_range(self._handle, self._pos, end)
         self._pos += len(data)

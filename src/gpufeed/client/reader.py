@@ -15,12 +15,13 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from gpufeed.blocks import CorruptBlock, ObjectBlocks, object_blocks
+from gpufeed import arguments
+from gpufeed.blocks import CorruptBlock, object_blocks
 from gpufeed.cache import blockfile, openfiles
 from gpufeed.cache.layout import BlockRef, block_path
 from gpufeed.cache.openfiles import OpenBlocks
@@ -444,14 +445,20 @@ class Client:
                 yield item, 0
                 continue
             info = ObjectInfo(where.key, item.size, item.mtime, item.etag)
-            blocks = object_blocks(where.mount.url, source_options(where.mount), info, policy.block_size, not where.mount.immutable)
+            mount = where.mount
+            blocks = object_blocks(mount.url, source_options(mount), info, policy.block_size, not mount.immutable)
             present = (i for i in range(blocks.count) if block_path(dirs, blocks.block(i)).exists())
             yield item, sum(blocks.length(i) for i in present)
 
-    def open(self, path: str) -> FeedFile:
-        return FeedFile(self, self.handle(path))
+    def open(self, path: str | os.PathLike[str], mode: str = "rb") -> FeedFile:
+        arguments.mode(mode, "open")
+        return FeedFile(self, self.handle(arguments.path(path, "open")))
 
-    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+    def read(self, path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> bytes:
+        path = arguments.path(path, "read")
+        offset = arguments.integer(offset, "offset", "read")
+        if length is not None:
+            length = arguments.integer(length, "length", "read")
         if offset < 0 or (length is not None and length < 0):
             raise InvalidArgument(f"{path}: offset and length must be >= 0")
 
@@ -483,11 +490,11 @@ class Client:
                 raise
             return attempt()
 
-    def stat(self, path: str) -> FileStat:
-        return self.namespace.stat(path)
+    def stat(self, path: str | os.PathLike[str]) -> FileStat:
+        return self.namespace.stat(arguments.path(path, "stat"))
 
-    def ls(self, path: str) -> list[FileStat]:
-        return self.namespace.ls(path)
+    def ls(self, path: str | os.PathLike[str]) -> list[FileStat]:
+        return self.namespace.ls(arguments.path(path, "ls"))
 
-    def walk(self, path: str) -> Iterator[FileStat]:
-        return self.namespace.walk(path)
+    def walk(self, path: str | os.PathLike[str]) -> Iterator[FileStat]:
+        return self.namespace.walk(arguments.path(path, "walk"))

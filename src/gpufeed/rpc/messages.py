@@ -8,8 +8,6 @@ is never printed or logged.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 
@@ -98,7 +96,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-Request = Union[Hello, Stats, Fetch, Prefetch, Cancel, Hits, Clear, Shutdown]
+Request = Hello | Stats | Fetch | Prefetch | Cancel | Hits | Clear | Shutdown
 
 
 class AgentInfo(msgspec.Struct, tag="info"):
@@ -162,4 +160,4 @@ class Refused(msgspec.Struct, tag="refused"):
     failure: Failure
 
 
-Reply = Union[AgentInfo, Fetched, Queued, Cleared, Done, Refused]
+Reply = AgentInfo | Fetched | Queued | Cleared | Done | Refused

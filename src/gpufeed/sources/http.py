@@ -74,7 +74,7 @@ class HttpSource(ObstoreSource):
         missing = [key for key, size in batch if size is None]
         heads: dict[str, ObjectInfo] = {}
         if missing:
-            heads = dict(zip(missing, asyncio.run(self._head_many(missing))))
+            heads = dict(zip(missing, asyncio.run(self._head_many(missing)), strict=True))
         return [heads[key] if size is None else ObjectInfo(key, size, 0.0) for key, size in batch]
 
     async def _head_many(self, keys: builtins.list[str]) -> builtins.list[ObjectInfo]:
@@ -93,7 +93,7 @@ class HttpSource(ObstoreSource):
                     level = [frontier.popleft() for _ in range(min(len(frontier), INDEX_CONCURRENCY))]
                     pages = runner.run(_all(self._index_page(session, d) for d in level))
                     batch: list[ObjectInfo] = []
-                    for directory, page in zip(level, pages):
+                    for directory, page in zip(level, pages, strict=True):
                         for item in page:
                             key = f"{directory}{item['name']}"
                             if item.get("type") == "directory":

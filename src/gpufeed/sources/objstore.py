@@ -58,9 +58,6 @@ _AUTH_CODES = ("403 Forbidden", "401 Unauthorized", "InvalidAccessKeyId", "Signa
 _MD5_HEX = re.compile(r"[0-9a-fA-F]{32}")
 
 
-_RETRIED = re.compile(r"after [1-9]\d* retries")
-
-
 def _first_line(exc: BaseException) -> str:
     """The useful part of an obstore error: the store's own error code and message when the
     response carried an XML error body, else the first line (the rest is a Rust debug dump)."""
@@ -143,8 +140,6 @@ class ObstoreSource:
         if self.kind == "file":
             return error
         text = str(exc)
-        if _RETRIED.search(text):  # obstore spent its own retries, with backoff, on this request
-            return error
         if type(error) is SourceUnreachable:
             return Retryable("connection failure", error)
         if type(error) is SourceError and _SERVER_ERROR.search(text):

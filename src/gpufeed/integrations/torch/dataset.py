@@ -11,11 +11,11 @@ import numpy as np
 import torch.utils.data
 
 import gpufeed
+from gpufeed.integrations.torch.distributed import rank_and_world
+from gpufeed.integrations.torch.index import FileIndex, PathTable
+from gpufeed.integrations.torch.order import Shard, non_negative_int, shard_order
+from gpufeed.integrations.torch.prefetching import ProcessPrefetcher
 from gpufeed.prefetch import Read
-from gpufeed.torch.distributed import rank_and_world
-from gpufeed.torch.index import FileIndex, PathTable
-from gpufeed.torch.order import Shard, non_negative_int, shard_order
-from gpufeed.torch.prefetching import ProcessPrefetcher
 
 T = TypeVar("T")
 

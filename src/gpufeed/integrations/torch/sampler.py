@@ -20,9 +20,9 @@ from typing import Any
 import torch.utils.data
 
 from gpufeed.errors import InvalidArgument
-from gpufeed.torch.distributed import rank_and_world
-from gpufeed.torch.order import Shard, epoch_permutation, non_negative_int
-from gpufeed.torch.prefetching import ProcessPrefetcher
+from gpufeed.integrations.torch.distributed import rank_and_world
+from gpufeed.integrations.torch.order import Shard, epoch_permutation, non_negative_int
+from gpufeed.integrations.torch.prefetching import ProcessPrefetcher
 
 STATE_KEYS = ("epoch", "position", "seed", "shuffle", "size")
 
@@ -88,7 +88,7 @@ class FeedSampler(torch.utils.data.Sampler[int]):
         if run.handed and not self._tracked:
             raise InvalidArgument(
                 "FeedSampler cannot tell how far the training loop got: the DataLoader reads indices ahead "
-                "of it; iterate through gpufeed.torch.FeedLoader, or call sampler.mark_consumed(n) per batch"
+                "of it; iterate through gpufeed.integrations.torch.FeedLoader, or call sampler.mark_consumed(n) per batch"
             )
         return run.shard.position_after(run.consumed)
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch.utils.data
 
 from gpufeed.errors import InvalidArgument
-from gpufeed.torch.sampler import FeedSampler
+from gpufeed.integrations.torch.sampler import FeedSampler
 
 
 class FeedLoader(torch.utils.data.DataLoader):

@@ -16,10 +16,10 @@ from torch.utils.data import DataLoader
 
 import gpufeed
 from gpufeed.errors import InvalidArgument
-from gpufeed.torch import FeedIterableDataset, Shard, epoch_permutation
-from gpufeed.torch.order import shard_order
-from tests.torch import ddp_job
-from tests.torch.helpers import as_rank, decode, mount_files
+from gpufeed.integrations.torch import FeedIterableDataset, Shard, epoch_permutation
+from gpufeed.integrations.torch.order import shard_order
+from tests.integrations.torch import ddp_job
+from tests.integrations.torch.helpers import as_rank, decode, mount_files
 
 N = 31  # not divisible by 2 or 3: ranks need padding or a dropped tail
 
@@ -123,7 +123,7 @@ def test_two_process_ddp_job_reads_every_index_and_steps_in_lockstep(root: str, 
     outs = [tmp_path / f"rank{rank}.json" for rank in range(ddp_job.WORLD)]
     jobs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.torch.ddp_job", str(tmp_path / "pg"), str(rank), str(out)],
+            [sys.executable, "-m", "tests.integrations.torch.ddp_job", str(tmp_path / "pg"), str(rank), str(out)],
             cwd=Path(__file__).parents[2], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for rank, out in enumerate(outs)

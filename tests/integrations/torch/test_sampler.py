@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader
 
 import gpufeed
 from gpufeed.errors import InvalidArgument
-from gpufeed.torch import FeedDataset, FeedLoader, FeedSampler, Shard, epoch_permutation
-from tests.torch import crashing_job
-from tests.torch.helpers import CrashOnce, N, as_rank, decode, mount_files
+from gpufeed.integrations.torch import FeedDataset, FeedLoader, FeedSampler, Shard, epoch_permutation
+from tests.integrations.torch import crashing_job
+from tests.integrations.torch.helpers import CrashOnce, N, as_rank, decode, mount_files
 
 
 @pytest.fixture
@@ -105,7 +105,7 @@ def test_resume_after_a_worker_was_killed(data: FeedDataset[int], tmp_path: Path
     checkpoint, marker = tmp_path / "checkpoint.json", tmp_path / "crash-once"
     marker.touch()
     crash_at = order(crashing_job.SEED, 0)[21]  # inside batch 5
-    job = [sys.executable, "-m", "tests.torch.crashing_job", str(checkpoint), str(marker), str(crash_at)]
+    job = [sys.executable, "-m", "tests.integrations.torch.crashing_job", str(checkpoint), str(marker), str(crash_at)]
     died = subprocess.run(job, check=False, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
     assert died.returncode != 0 and not marker.exists(), died.stderr  # the worker was killed and the job died
     saved = json.loads(checkpoint.read_text())

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpufeed.errors import InvalidArgument
-from gpufeed.torch import Shard, epoch_permutation
+from gpufeed.integrations.torch import Shard, epoch_permutation
 
 
 def test_permutation_is_a_pure_function_of_seed_epoch_and_size() -> None:

@@ -1,7 +1,7 @@
 """One rank of a two-process DDP job over the /data mount: it builds its datasets and sampler
 before `init_process_group`, as training scripts do, then reads one epoch through each with an
 all_reduce per step, as DDP's gradient sync does, and writes what it read to OUT:
-`python -m tests.torch.ddp_job INIT_FILE RANK OUT`."""
+`python -m tests.integrations.torch.ddp_job INIT_FILE RANK OUT`."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from gpufeed.torch import FeedDataset, FeedIterableDataset, FeedSampler
-from tests.torch.helpers import decode
+from gpufeed.integrations.torch import FeedDataset, FeedIterableDataset, FeedSampler
+from tests.integrations.torch.helpers import decode
 
 WORLD = 2
 SEED = 7

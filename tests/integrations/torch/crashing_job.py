@@ -1,6 +1,6 @@
 """A training job whose DataLoader worker is killed mid-epoch. Like a real job it checkpoints
 the sampler's state (and, for the test, the samples it consumed) after every batch, until the
-crash ends it: `python -m tests.torch.crashing_job CHECKPOINT MARKER CRASH_AT`."""
+crash ends it: `python -m tests.integrations.torch.crashing_job CHECKPOINT MARKER CRASH_AT`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from gpufeed.torch import FeedDataset, FeedLoader, FeedSampler
-from tests.torch.helpers import CrashOnce
+from gpufeed.integrations.torch import FeedDataset, FeedLoader, FeedSampler
+from tests.integrations.torch.helpers import CrashOnce
 
 SEED = 6
 

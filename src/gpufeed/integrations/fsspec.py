@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsspec import AbstractFileSystem  # type: ignore[import-untyped]
+from fsspec import AbstractFileSystem
 
 import gpufeed
 from gpufeed.cache.blockfile import as_bytes

@@ -13,10 +13,10 @@
 
 from __future__ import annotations
 
-from gpufeed.torch.dataset import FeedDataset, FeedIterableDataset
-from gpufeed.torch.distributed import rank_and_world
-from gpufeed.torch.loader import FeedLoader
-from gpufeed.torch.order import Shard, epoch_permutation
-from gpufeed.torch.sampler import FeedSampler
+from gpufeed.integrations.torch.dataset import FeedDataset, FeedIterableDataset
+from gpufeed.integrations.torch.distributed import rank_and_world
+from gpufeed.integrations.torch.loader import FeedLoader
+from gpufeed.integrations.torch.order import Shard, epoch_permutation
+from gpufeed.integrations.torch.sampler import FeedSampler
 
 __all__ = ["FeedDataset", "FeedIterableDataset", "FeedLoader", "FeedSampler", "Shard", "epoch_permutation", "rank_and_world"]

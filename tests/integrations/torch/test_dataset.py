@@ -10,10 +10,10 @@ import pytest
 from torch.utils.data import DataLoader
 
 from gpufeed.errors import InvalidArgument, PathNotFound
+from gpufeed.integrations.torch import FeedDataset, FeedIterableDataset, FeedLoader, FeedSampler, epoch_permutation
 from gpufeed.namespace import Namespace
-from gpufeed.torch import FeedDataset, FeedIterableDataset, FeedLoader, FeedSampler, epoch_permutation
 from tests.conftest import Bucket
-from tests.torch.helpers import N, content, decode, mount_files
+from tests.integrations.torch.helpers import N, content, decode, mount_files
 
 
 def test_dataset_indexes_a_directory_once_and_reads_bytes(tmp_path: Path) -> None:
