@@ -10,7 +10,7 @@ import pytest
 from gpufeed.blocks import CHUNK, CorruptBlock, ObjectBlocks, header_length, object_blocks
 from gpufeed.cache import blockfile
 from gpufeed.cache.layout import BlockRef
-from gpufeed.cache.openfiles import OpenBlocks
+from gpufeed.cache.openfiles import DeletionCounter, OpenBlocks
 from gpufeed.sources.base import ObjectInfo
 
 
@@ -43,12 +43,15 @@ def test_names_depend_on_version_block_size_and_version_checking() -> None:
     assert len(names) == 16
 
 
-def test_a_valid_block_of_another_object_under_a_blocks_name_is_corrupt(tmp_path: Path) -> None:
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "verify=never"])
+@pytest.mark.parametrize("held", [0, 10], ids=["opened", "held"])
+def test_a_valid_block_of_another_object_under_a_blocks_name_is_corrupt(tmp_path: Path, verify: bool, held: int) -> None:
     """The header records the block's identity: a whole, checksummed block of another object (or
-    another index) copied under this name is discarded like a flipped byte."""
+    another index) copied under this name is discarded like a flipped byte, verify=never too."""
     data = os.urandom(3 * CHUNK)
-    mine = BlockRef.of((tmp_path,), identity(len(data)), True, OpenBlocks(Path("/nonexistent"), 0))
-    other = BlockRef.of((tmp_path,), identity(len(data), key="other"), True, OpenBlocks(Path("/nonexistent"), 0))
+    DeletionCounter.create(tmp_path)
+    mine = BlockRef.of((tmp_path,), identity(len(data)), verify, OpenBlocks(tmp_path, held))
+    other = BlockRef.of((tmp_path,), identity(len(data), key="other"), verify, OpenBlocks(tmp_path, held))
     blockfile.publish(Path(mine.path(0)), other.blocks.block(0), data)
     with pytest.raises(CorruptBlock):
         blockfile.read(mine, 0, 0, 10)

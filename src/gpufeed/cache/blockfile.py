@@ -111,17 +111,20 @@ def _read_mapped(held: Held, ref: BlockRef, index: int, head: int, length: int, 
     mapped = held.mapped
     if len(mapped) != head + length or held.map.size() != len(mapped):  # before touching it
         raise CorruptBlock("wrong size")
+    expected = BlockId(ref.oid, index).fixed_header(length)
     if ref.verify:
         first = start // CHUNK
         lo, hi = first * CHUNK, min(length, -(-end // CHUNK) * CHUNK)
-        verify(mapped[:head], BlockId(ref.oid, index).fixed_header(length), mapped[head + lo : head + hi], first)
+        verify(mapped[:head], expected, mapped[head + lo : head + hi], first)
+    elif mapped[:HEAD_SIZE] != expected:  # verify=never trusts the bytes, not which block they are
+        raise CorruptBlock("header does not match the block's identity or length")
     return memoryview(bytes(mapped[head + start : head + end]))
 
 
 def _read_unmapped(fd: int, ref: BlockRef, index: int, head: int, length: int, start: int, end: int) -> memoryview:
-    if not ref.verify:  # trust the bytes, not the length: a block of another size is damaged
-        if os.fstat(fd).st_size != head + length:
-            raise CorruptBlock("wrong size")
+    if not ref.verify:  # trust the bytes, not their length or which block they are
+        if os.fstat(fd).st_size != head + length or os.pread(fd, HEAD_SIZE, 0) != BlockId(ref.oid, index).fixed_header(length):
+            raise CorruptBlock("header does not match the block's identity or length")
         return memoryview(os.pread(fd, end - start, head + start))
     first = start // CHUNK
     lo = first * CHUNK
