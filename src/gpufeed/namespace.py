@@ -148,6 +148,7 @@ def nearest_prefix(url: str, options: dict[str, str], settings: Settings) -> str
     except (GpufeedError, BaseError, OSError):  # a hint only: any failure means no hint
         return None
     names = [prefix.rstrip("/").rpartition("/")[2] for prefix in listing["common_prefixes"]]
+    names = [n for n in names if n != name]
     match = difflib.get_close_matches(name, names, n=1)
     return f"{parent_url.rstrip('/')}/{match[0]}" if match else None
 
@@ -213,6 +214,7 @@ class Namespace:
         path = normalize(path)
         if path == "/":
             raise InvalidArgument("cannot mount at /: choose a path such as /data")
+        self.engine.check_writable()
         if immutable and max_age is not None:
             raise InvalidArgument("--immutable and --max-age exclude each other")
         if max_age is not None and not (math.isfinite(max_age) and max_age >= 0):
@@ -238,6 +240,7 @@ class Namespace:
 
     def refresh(self, path: str) -> tuple[Mount, ManifestStats]:
         mount = self.mount(path)
+        self.engine.check_writable()
         self._forget_mounts()
         try:
             return write_manifest(self.engine, mount, self.source(mount), create=False)
@@ -246,6 +249,7 @@ class Namespace:
 
     def remove_mount(self, path: str) -> Mount:
         mount = self.mount(path)
+        self.engine.check_writable()
         self.engine.delete_mount(mount.path)
         self._forget_mounts()
         self.engine.drop_generation(mount.generation)

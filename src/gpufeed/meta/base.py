@@ -108,6 +108,11 @@ class MetaEngine(Protocol):
 
     def mounts(self) -> list[Mount]: ...
 
+    def check_writable(self) -> None:
+        """Raise MetadataError (naming where and why) when the engine is known to refuse writes,
+        so a writing command fails before it lists a store or hashes a dataset."""
+        ...
+
     def commit_mount(self, mount: Mount, *, previous: int | None) -> None:
         """Insert the mount (previous=None; MountConflict if the path exists) or switch it to a
         new generation only while it still has generation `previous` (MountConflict if another

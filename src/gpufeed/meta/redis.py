@@ -110,6 +110,9 @@ class RedisEngine:
     def _dir(self, generation: int, parent: str) -> str:
         return f"{self.prefix}:g:{generation}:d:{parent}"
 
+    def check_writable(self) -> None:
+        """Redis reports a refused write (read-only replica, maxmemory) on the write itself."""
+
     def mounts(self) -> list[Mount]:
         records = self._r.hgetall(f"{self.prefix}:mounts")
         return [Mount.from_json(records[path]) for path in sorted(records)]

@@ -123,6 +123,10 @@ class SqliteEngine:
             why = f"permission denied on {where}"
         return MetadataError(f"cannot write the metadata database {self.path}: {why}")
 
+    def check_writable(self) -> None:
+        if self.read_only is not None:
+            raise self.cannot_write(self.read_only)
+
     def _connect(self) -> sqlite3.Connection:
         conn = self._open()
         self._local.conn, self._local.pid = conn, os.getpid()
