@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.errors import InvalidArgument, IsADirectory, MountConflict, MountNotFound, PathNotFound
+from gpufeed.errors import InvalidArgument, IsADirectory, MountConflict, MountError, MountNotFound, PathNotFound
 from gpufeed.namespace import Namespace, normalize, parse_options
+from tests.conftest import Bucket
 
 
 def test_mount_lists_source_into_manifest(namespace: Namespace, dataset: Path) -> None:
@@ -202,3 +203,24 @@ def test_refresh_racing_a_remove_does_not_resurrect_the_mount(
     assert namespace.mounts(fresh=True) == []
     assert list(namespace.engine.walk(mount.generation + 1, "")) == [], "the refresh's own generation is dropped"
     other.close()
+
+
+def test_empty_listing_suggests_the_nearest_prefix(namespace: Namespace, dataset: Path) -> None:
+    (dataset / "trian").mkdir()
+    with pytest.raises(MountError, match=rf"file://{dataset}/trian: no objects under this prefix; did you mean file://{dataset}/train\? \(--allow-empty"):
+        namespace.add_mount("/data", f"file://{dataset}/trian")
+    assert namespace.mounts() == [], "nothing is recorded"
+    mount, stats = namespace.add_mount("/data", f"file://{dataset}/trian", allow_empty=True)
+    assert stats.files == 0 and namespace.ls("/data") == []
+    assert namespace.mounts() == [mount]
+
+
+def test_empty_s3_prefix_suggests_a_sibling(namespace: Namespace, bucket: Bucket) -> None:
+    bucket.put("train/0.bin", b"x")
+    bucket.put("val/0.bin", b"y")
+    options = {"endpoint": bucket.endpoint}
+    with pytest.raises(MountError, match=rf"{bucket.url}/trian: no objects under this prefix; did you mean {bucket.url}/train\?"):
+        namespace.add_mount("/data", f"{bucket.url}/trian", options)
+    with pytest.raises(MountError, match=r"no objects under this prefix \(--allow-empty mounts it anyway\)"):
+        namespace.add_mount("/data", f"{bucket.url}/zzzzzz", options)
+    assert namespace.mounts() == []
