@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.errors import InvalidArgument, IsADirectory, MountConflict, MountError, MountNotFound, PathNotFound
+from gpufeed.errors import (
+    InvalidArgument,
+    IsADirectory,
+    MountConflict,
+    MountError,
+    MountNotFound,
+    PathNotFound,
+    SourceUnreachable,
+)
 from gpufeed.namespace import Namespace, normalize, parse_options
 from tests.conftest import Bucket
 
@@ -102,7 +110,7 @@ def test_refresh_counts_added_changed_removed(namespace: Namespace, dataset: Pat
 def test_failed_listing_leaves_mounts_untouched(namespace: Namespace, dataset: Path) -> None:
     namespace.add_mount("/data", f"file://{dataset}")
     before = namespace.mounts()
-    with pytest.raises(Exception):
+    with pytest.raises(SourceUnreachable):
         namespace.add_mount("/s3", "s3://bucket-x", {"endpoint": "http://127.0.0.1:1"})
     assert namespace.mounts() == before
 
@@ -172,7 +180,7 @@ def test_large_directory_listing(namespace: Namespace, tmp_path: Path) -> None:
 def test_lookups_follow_a_refresh_that_dropped_their_generation(namespace: Namespace, dataset: Path) -> None:
     """A reader holding a mount table read just before another process refreshed the mount (and
     dropped the generation it points at) still finds files, and lists directories in full."""
-    stale, _ = namespace.add_mount("/data", f"file://{dataset}")
+    namespace.add_mount("/data", f"file://{dataset}")
     other = Namespace(namespace.settings)
     for check in (
         lambda: namespace.stat("/data/train/cats/1.jpg").size == 1001,

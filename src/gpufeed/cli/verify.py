@@ -5,7 +5,14 @@ from __future__ import annotations
 import time
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 from gpufeed import verify as verifying
 from gpufeed.cli.console import err, human_bytes, out
