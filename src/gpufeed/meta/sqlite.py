@@ -69,7 +69,7 @@ is still read, its new fields null."""
 # and bool that search is two failed attribute lookups per value, which doubled the time to
 # write a row with four nullable columns. A registered adapter is one dict probe. Both return
 # what sqlite3 binds anyway (NULL; 0/1).
-sqlite3.register_adapter(type(None), {}.get)
+sqlite3.register_adapter(type(None), lambda _: None)
 sqlite3.register_adapter(bool, int)
 
 _entry = Entry._make  # rows come back in Entry's field order; is_dir is 0/1, which compares as bool
