@@ -255,19 +255,21 @@ class Namespace:
         self.engine.drop_generation(mount.generation)
         return mount
 
-    def record_hashes(self, mount_path: str, generation: int, hashes: dict[str, str]) -> int:
-        """Record content hashes (key -> "sha256:<hex>") in the entries of `generation` that have
-        none, while the mount still has that generation; returns how many were recorded. A
-        refresh meanwhile fails with MountConflict and leaves nothing behind."""
+    def record_hashes(self, mount_path: str, generation: int, infos: list[ObjectInfo]) -> int:
+        """Record the content hashes `infos` carry in the entries of `generation` that have none
+        and still have the info's version, while the mount still has that generation; returns
+        how many were recorded. A refresh meanwhile fails with MountConflict and leaves nothing."""
         mount = self.mount(mount_path)
         if mount.generation != generation:
             raise MountConflict(f"{mount.path} was refreshed meanwhile; run verify again")
         rows = []
-        for key, content_hash in hashes.items():
-            parent, _, name = key.rpartition("/")
+        for info in infos:
+            parent, _, name = info.key.rpartition("/")
             entry = self.engine.lookup(generation, parent, name)
-            if entry is not None and not entry.is_dir and entry.content_hash is None:
-                rows.append(entry._replace(content_hash=content_hash))
+            if entry is None or entry.is_dir or entry.content_hash is not None:
+                continue
+            if entry.object_info().version == info.version:
+                rows.append(entry._replace(content_hash=info.content_hash))
         self.engine.put_entries(generation, rows)
         if self.mount(mount_path).generation != generation:
             self.engine.drop_generation(generation)  # the refresh dropped it already, maybe before these rows

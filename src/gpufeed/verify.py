@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpufeed.client import Client
 from gpufeed.errors import ObjectCorrupted
 from gpufeed.namespace import FileStat
+from gpufeed.sources.base import ObjectInfo
 
 BATCH_BYTES = 64 << 20
 BATCH_FILES = 256
@@ -51,35 +52,52 @@ def _algorithm(item: FileStat) -> str:
     return item.content_hash.partition(":")[0] if item.content_hash else "sha256"
 
 
+@dataclass(frozen=True)
+class Listed:
+    """Files to verify and the manifest generation of each mount they were listed from: the
+    generations are read before the walk, so a refresh in between shows as a conflict when
+    hashes are recorded, never as hashes written into a generation the files did not come from."""
+
+    files: list[FileStat]
+    generations: dict[str, int]
+
+
+def listed(client: Client, path: str) -> Listed:
+    generations = {m.path: m.generation for m in client.namespace.mounts(fresh=True)}
+    return Listed(list(client.walk(path)), generations)
+
+
 class _Recorder:
     """New hashes per (mount path, generation), written every RECORD_EVERY."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, generations: dict[str, int]) -> None:
         self.client = client
-        self.pending: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
+        self.generations = generations
+        self.pending: dict[tuple[str, int], list[ObjectInfo]] = defaultdict(list)
         self.count = 0
         self.recorded = 0
 
     def add(self, item: FileStat, content_hash: str) -> None:
         where = self.client.namespace.resolve(item.path)
         assert where is not None and item.info is not None
-        self.pending[(where.mount.path, where.mount.generation)][item.info.key] = content_hash
+        generation = self.generations.get(where.mount.path, -1)
+        self.pending[(where.mount.path, generation)].append(replace(item.info, content_hash=content_hash))
         self.count += 1
         if self.count >= RECORD_EVERY:
             self.flush()
 
     def flush(self) -> None:
-        for (mount_path, generation), hashes in self.pending.items():
-            self.recorded += self.client.namespace.record_hashes(mount_path, generation, hashes)
+        for (mount_path, generation), infos in self.pending.items():
+            self.recorded += self.client.namespace.record_hashes(mount_path, generation, infos)
         self.pending.clear()
         self.count = 0
 
 
-def verify(client: Client, files: list[FileStat], progress: Callable[[Verified], None] = lambda _: None) -> Verified:
-    """Hash `files` (a list: the manifest walk is over before hashes are written into it);
-    record hashes where the manifest has none, compare where it has one."""
+def verify(client: Client, target: Listed, progress: Callable[[Verified], None] = lambda _: None) -> Verified:
+    """Hash the listed files; record hashes where the manifest has none, compare where it has
+    one. (A list, not the walk itself: the walk is over before hashes are written beside it.)"""
     done = Verified()
-    recorder = _Recorder(client)
+    recorder = _Recorder(client, target.generations)
 
     def check(item: FileStat, digest: str) -> None:
         computed = f"{_algorithm(item)}:{digest}"
@@ -119,7 +137,7 @@ def verify(client: Client, files: list[FileStat], progress: Callable[[Verified],
 
     small: list[FileStat] = []
     small_bytes = 0
-    for item in files:
+    for item in target.files:
         if item.size > CHUNK:
             one(item)
             continue

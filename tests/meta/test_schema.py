@@ -69,7 +69,8 @@ def test_sqlite_schema_1_is_migrated_on_open(tmp_path: Path) -> None:
     assert [s.path for s in ns.ls("/data")] == ["/data/README", "/data/train"]
     st = ns.stat("/data/train/a.jpg")
     assert (st.size, st.mtime, st.etag, st.content_hash) == (10, 1000.5, '"e1"', None)
-    ns.record_hashes("/data", 3, {"train/a.jpg": "sha256:" + "ab" * 32})
+    assert ns.record_hashes("/data", 3, [ObjectInfo("train/a.jpg", 10, 1000.5, '"e1"', "sha256:" + "ab" * 32)]) == 1
+    assert ns.record_hashes("/data", 3, [ObjectInfo("README", 8, 99.0, None, "sha256:" + "ab" * 32)]) == 0, "not that version"
     assert ns.stat("/data/train/a.jpg").content_hash == "sha256:" + "ab" * 32
     assert ns.engine.new_generation() == 4, "the counter survives the migration"
     ns.close()
@@ -106,7 +107,7 @@ def test_redis_schema_1_is_read_and_versioned(redis_url: str) -> None:
     st = ns.stat("/data/train/a.jpg")
     assert (st.size, st.mtime, st.etag, st.content_hash) == (10, 1000.5, '"e|1"', None)
     assert ns.stat("/data/README").etag is None
-    ns.record_hashes("/data", 3, {"train/a.jpg": "md5:" + "cd" * 16})
+    assert ns.record_hashes("/data", 3, [ObjectInfo("train/a.jpg", 10, 1000.5, '"e|1"', "md5:" + "cd" * 16)]) == 1
     assert ns.stat("/data/train/a.jpg").content_hash == "md5:" + "cd" * 16
     assert [e.key for e in ns.engine.walk(3, "")] == ["README", "train/a.jpg"]
     ns.close()

@@ -25,7 +25,8 @@ def verify(nspath: str = typer.Argument(..., help="Namespace path (a file or a d
     each mismatch (path and both hashes) and exits 1."""
     client = Client()
     client.namespace.engine.check_writable()
-    files = list(client.walk(nspath))
+    target = verifying.listed(client, nspath)
+    files = target.files
     columns = (
         TextColumn("verifying"),
         BarColumn(),
@@ -37,7 +38,7 @@ def verify(nspath: str = typer.Argument(..., help="Namespace path (a file or a d
     started = time.monotonic()
     with Progress(*columns, console=err, transient=False) as bar:
         task = bar.add_task("verify", total=sum(f.size for f in files), files=0)
-        done = verifying.verify(client, files, lambda p: bar.update(task, completed=p.bytes, files=p.files))
+        done = verifying.verify(client, target, lambda p: bar.update(task, completed=p.bytes, files=p.files))
     for mismatch in done.mismatches:
         err.print(f"gpufeed: mismatch: {mismatch}", markup=False, highlight=False, soft_wrap=True)
     out.print(
