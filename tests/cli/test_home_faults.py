@@ -20,6 +20,7 @@ import pytest
 from gpufeed.agent.client import stop_agent
 from gpufeed.config import Settings
 from tests.cli.test_cli import fails, ok
+from tests.meta.test_schema import schema_1_sqlite
 
 
 def _mount(*args: str) -> None:
@@ -146,3 +147,13 @@ def test_unmerged_write_ahead_log_on_a_read_only_home_is_refused(home: Path, dat
     assert f"{home}/meta.db" in line and "write-ahead log" in line
     _mount("-o", "remount,rw", str(home))
     assert "no mounts" in ok("mount", "ls"), "a writable directory merges the log: the mount was deleted"
+
+
+def test_schema_1_database_on_a_read_only_home_is_read_unmigrated(home: Path) -> None:
+    schema_1_sqlite(home / "meta.db")
+    read_only(home)
+    assert [m["path"] for m in json.loads(ok("mount", "ls", "--json"))] == ["/data"]
+    assert ok("ls", "/data").split() == ["README", "train/"]
+    assert "size:     10" in ok("stat", "/data/train/a.jpg")
+    _mount("-o", "remount,rw", str(home))
+    assert sqlite3.connect(home / "meta.db").execute("PRAGMA user_version").fetchone()[0] == 0, "not migrated, not written"

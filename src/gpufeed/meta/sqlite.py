@@ -4,6 +4,12 @@ WAL mode lets training processes read while `mount refresh` writes. Entries are 
 (generation, parent, name) in a WITHOUT ROWID table, so a stat is one B-tree probe and an
 `ls` is one range scan. A connection never crosses a fork (DataLoader workers): each process
 opens its own.
+
+A full or read-only GPUFEED_HOME: opening writes nothing unless the database must be created or
+migrated, so reading commands keep working. A WAL database needs its -shm file to be read; where
+the directory cannot hold one it is opened immutable, which is right only when no -wal file
+holds unmerged pages (else one clear error: never a stale read). A missing database that cannot
+be created reads as an empty one. Writes then fail in one line naming the file and why.
 """
 
 from __future__ import annotations
