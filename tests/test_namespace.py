@@ -8,8 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.errors import InvalidArgument, IsADirectory, MountConflict, MountNotFound, PathNotFound
+from gpufeed.errors import (
+    InvalidArgument,
+    IsADirectory,
+    MountConflict,
+    MountError,
+    MountNotFound,
+    PathNotFound,
+    SourceUnreachable,
+)
 from gpufeed.namespace import Namespace, normalize, parse_options
+from tests.conftest import Bucket
 
 
 def test_mount_lists_source_into_manifest(namespace: Namespace, dataset: Path) -> None:
@@ -101,7 +110,7 @@ def test_refresh_counts_added_changed_removed(namespace: Namespace, dataset: Pat
 def test_failed_listing_leaves_mounts_untouched(namespace: Namespace, dataset: Path) -> None:
     namespace.add_mount("/data", f"file://{dataset}")
     before = namespace.mounts()
-    with pytest.raises(Exception):
+    with pytest.raises(SourceUnreachable):
         namespace.add_mount("/s3", "s3://bucket-x", {"endpoint": "http://127.0.0.1:1"})
     assert namespace.mounts() == before
 
@@ -171,7 +180,7 @@ def test_large_directory_listing(namespace: Namespace, tmp_path: Path) -> None:
 def test_lookups_follow_a_refresh_that_dropped_their_generation(namespace: Namespace, dataset: Path) -> None:
     """A reader holding a mount table read just before another process refreshed the mount (and
     dropped the generation it points at) still finds files, and lists directories in full."""
-    stale, _ = namespace.add_mount("/data", f"file://{dataset}")
+    namespace.add_mount("/data", f"file://{dataset}")
     other = Namespace(namespace.settings)
     for check in (
         lambda: namespace.stat("/data/train/cats/1.jpg").size == 1001,
@@ -202,3 +211,25 @@ def test_refresh_racing_a_remove_does_not_resurrect_the_mount(
     assert namespace.mounts(fresh=True) == []
     assert list(namespace.engine.walk(mount.generation + 1, "")) == [], "the refresh's own generation is dropped"
     other.close()
+
+
+def test_empty_listing_suggests_the_nearest_prefix(namespace: Namespace, dataset: Path) -> None:
+    (dataset / "trian").mkdir()
+    hint = rf"file://{dataset}/trian: no objects under this prefix; did you mean file://{dataset}/train\? \(--allow-empty"
+    with pytest.raises(MountError, match=hint):
+        namespace.add_mount("/data", f"file://{dataset}/trian")
+    assert namespace.mounts() == [], "nothing is recorded"
+    mount, stats = namespace.add_mount("/data", f"file://{dataset}/trian", allow_empty=True)
+    assert stats.files == 0 and namespace.ls("/data") == []
+    assert namespace.mounts() == [mount]
+
+
+def test_empty_s3_prefix_suggests_a_sibling(namespace: Namespace, bucket: Bucket) -> None:
+    bucket.put("train/0.bin", b"x")
+    bucket.put("val/0.bin", b"y")
+    options = {"endpoint": bucket.endpoint}
+    with pytest.raises(MountError, match=rf"{bucket.url}/trian: no objects under this prefix; did you mean {bucket.url}/train\?"):
+        namespace.add_mount("/data", f"{bucket.url}/trian", options)
+    with pytest.raises(MountError, match=r"no objects under this prefix \(--allow-empty mounts it anyway\)"):
+        namespace.add_mount("/data", f"{bucket.url}/zzzzzz", options)
+    assert namespace.mounts() == []

@@ -278,6 +278,17 @@ def test_a_listed_entry_without_version_is_pinned_once_by_its_first_open(http_li
     assert [r.split()[0] for r in http_list.requests()].count("HEAD") == 1
 
 
+def test_a_refresh_after_a_pin_counts_no_change_and_unpins(http_list: Store) -> None:
+    """The version a first open pinned is not a change of the object: refresh reports nothing
+    changed, and the new listing's entry is pinned again by its own first open."""
+    mount(http_list)
+    assert gpufeed.read(PATH) == OLD and gpufeed.stat(PATH).etag is not None
+    _, stats = Namespace().refresh("/data")
+    assert (stats.added, stats.changed, stats.removed) == (0, 0, 0)
+    assert gpufeed.stat(PATH).etag is None
+    assert gpufeed.read(PATH) == OLD
+
+
 def test_immutable_mount_does_not_pin(http_list: Store) -> None:
     assert http_list.requests is not None
     mount(http_list, immutable=True)

@@ -7,18 +7,22 @@ its mount.
 
 from __future__ import annotations
 
+import difflib
 import math
 import posixpath
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from urllib.parse import urlsplit, urlunsplit
 
 from gpufeed.config import Settings, parse_size, parse_verify
 from gpufeed.errors import (
+    GpufeedError,
     InvalidArgument,
     IsADirectory,
     MetadataError,
     MountConflict,
+    MountError,
     MountNotFound,
     ObjectChanged,
     ObjectMissing,
@@ -26,28 +30,44 @@ from gpufeed.errors import (
 )
 from gpufeed.meta import MetaEngine, Mount, open_engine
 from gpufeed.meta.base import Entry
+from gpufeed.meta.checksums import parse_checksums
 from gpufeed.meta.manifest import ManifestStats, write_manifest
 from gpufeed.sources import Source, open_source
-from gpufeed.sources.base import ObjectInfo, version_string
+from gpufeed.sources.base import ObjectInfo
 
 
 @dataclass(frozen=True, slots=True)
 class FileStat:
-    """What `stat` and `ls` report for a namespace path."""
+    """What `stat` and `ls` report for a namespace path: the path and, for a file, the object
+    as the manifest records it (`info.key` is relative to the mount's source root)."""
 
     path: str
     is_dir: bool
-    size: int = 0
-    mtime: float = 0.0
-    etag: str | None = None
+    info: ObjectInfo | None = None
+
+    @property
+    def size(self) -> int:
+        return self.info.size if self.info is not None else 0
+
+    @property
+    def mtime(self) -> float:
+        return self.info.mtime if self.info is not None else 0.0
+
+    @property
+    def etag(self) -> str | None:
+        return self.info.etag if self.info is not None else None
+
+    @property
+    def content_hash(self) -> str | None:
+        return self.info.content_hash if self.info is not None else None
 
     @property
     def version(self) -> str | None:
-        return None if self.is_dir else version_string(self.size, self.mtime, self.etag)
+        return self.info.version if self.info is not None else None
 
     @classmethod
     def of(cls, path: str, entry: Entry) -> FileStat:
-        return cls(path, bool(entry.is_dir), entry.size, entry.mtime, entry.etag)
+        return cls(path, True) if entry.is_dir else cls(path, False, entry.object_info())
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +129,32 @@ def normalize(path: str) -> str:
     return "/" + clean.lstrip("/")
 
 
+def nearest_prefix(url: str, options: dict[str, str], settings: Settings) -> str | None:
+    """The sibling prefix of `url` whose name is closest to its last component, found with
+    one delimiter LIST of the parent; None when there is none or the parent cannot be listed."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() in ("http", "https"):
+        return None  # HTTP has no delimiter listing
+    parent_path, _, name = parts.path.rstrip("/").rpartition("/")
+    if not name:
+        return None
+    parent_url = urlunsplit(parts._replace(path=parent_path or ("/" if parts.scheme == "file" else "")))
+    import obstore
+    from obstore.exceptions import BaseError
+
+    try:
+        store = getattr(open_source(parent_url, options, settings), "store", None)
+        if store is None:
+            return None
+        listing = obstore.list_with_delimiter(store)
+    except (GpufeedError, BaseError, OSError):  # a hint only: any failure means no hint
+        return None
+    names = [prefix.rstrip("/").rpartition("/")[2] for prefix in listing["common_prefixes"]]
+    names = [n for n in names if n != name]
+    match = difflib.get_close_matches(name, names, n=1)
+    return f"{parent_url.rstrip('/')}/{match[0]}" if match else None
+
+
 def parse_options(pairs: list[str]) -> dict[str, str]:
     """`key=value` strings from the command line into a dict; malformed ones are refused."""
     options: dict[str, str] = {}
@@ -161,11 +207,16 @@ class Namespace:
         *,
         immutable: bool = False,
         max_age: float | None = None,
+        checksums: str | None = None,
+        allow_empty: bool = False,
     ) -> tuple[Mount, ManifestStats]:
-        """Validate, list the source once into a manifest, then record the mount."""
+        """Validate, list the source once into a manifest, then record the mount. `checksums`
+        names a sha256sum/md5sum file whose hashes the entries carry. An empty listing is
+        refused (most often a typo in the prefix) unless `allow_empty`; nothing is recorded."""
         path = normalize(path)
         if path == "/":
             raise InvalidArgument("cannot mount at /: choose a path such as /data")
+        self.engine.check_writable()
         if immutable and max_age is not None:
             raise InvalidArgument("--immutable and --max-age exclude each other")
         if max_age is not None and not (math.isfinite(max_age) and max_age >= 0):
@@ -175,14 +226,23 @@ class Namespace:
                 raise MountConflict(f"cannot mount {url} at {path}: it overlaps the mount {other.path} ({other.url})")
         mount = Mount(path, url, dict(options or {}), immutable=immutable, max_age=max_age)
         CachePolicy.of(mount, self.settings)
+        hashes = parse_checksums(checksums) if checksums is not None else None
         source = open_source(url, source_options(mount), self.settings)
         cache_options = {k: v for k, v in mount.options.items() if k in CACHE_OPTIONS}
         mount = replace(mount, options={**source.options, **cache_options})
+
+        def refuse_empty(stats: ManifestStats) -> None:
+            if stats.files == 0 and not allow_empty:
+                near = nearest_prefix(url, source_options(mount), self.settings)
+                hint = f"; did you mean {near}?" if near else ""
+                raise MountError(f"{url}: no objects under this prefix{hint} (--allow-empty mounts it anyway)")
+
         self._forget_mounts()
-        return write_manifest(self.engine, mount, source, create=True)
+        return write_manifest(self.engine, mount, source, create=True, hashes=hashes, check=refuse_empty)
 
     def refresh(self, path: str) -> tuple[Mount, ManifestStats]:
         mount = self.mount(path)
+        self.engine.check_writable()
         self._forget_mounts()
         try:
             return write_manifest(self.engine, mount, self.source(mount), create=False)
@@ -191,10 +251,32 @@ class Namespace:
 
     def remove_mount(self, path: str) -> Mount:
         mount = self.mount(path)
+        self.engine.check_writable()
         self.engine.delete_mount(mount.path)
         self._forget_mounts()
         self.engine.drop_generation(mount.generation)
         return mount
+
+    def record_hashes(self, mount_path: str, generation: int, infos: list[ObjectInfo]) -> int:
+        """Record the content hashes `infos` carry in the entries of `generation` that have none
+        and still have the info's version, while the mount still has that generation; returns
+        how many were recorded. A refresh meanwhile fails with MountConflict and leaves nothing."""
+        mount = self.mount(mount_path)
+        if mount.generation != generation:
+            raise MountConflict(f"{mount.path} was refreshed meanwhile; run verify again")
+        rows = []
+        for info in infos:
+            parent, _, name = info.key.rpartition("/")
+            entry = self.engine.lookup(generation, parent, name)
+            if entry is None or entry.is_dir or entry.content_hash is not None:
+                continue
+            if entry.object_info().version == info.version:
+                rows.append(entry._replace(content_hash=info.content_hash))
+        self.engine.put_entries(generation, rows)
+        if self.mount(mount_path).generation != generation:
+            self.engine.drop_generation(generation)  # the refresh dropped it already, maybe before these rows
+            raise MountConflict(f"{mount.path} was refreshed meanwhile; run verify again")
+        return len(rows)
 
     def source(self, mount: Mount) -> Source:
         cache_key = (mount.url, repr(sorted(mount.options.items())))

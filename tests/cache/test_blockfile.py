@@ -32,15 +32,16 @@ def test_round_trip_any_range(tmp_path: Path) -> None:
     assert list((tmp_path / "tmp").iterdir()) == [], "no temp file left behind"
 
 
-def test_names_depend_on_version_block_size_and_version_checking() -> None:
+def test_names_depend_on_version_block_size_endpoint_version_checking_and_content_hash() -> None:
     names = {
-        object_blocks("s3://b/p", {"endpoint": e}, ObjectInfo("k", 10, 0.0, v), b, c).oid
+        object_blocks("s3://b/p", {"endpoint": e}, ObjectInfo("k", 10, 0.0, v, h), b, c).oid
         for v in ("v1", "v2")
         for b in (1 << 20, 4 << 20)
         for c in (True, False)
         for e in ("http://a", "http://b")
+        for h in (None, "sha256:" + "0" * 64)
     }
-    assert len(names) == 16
+    assert len(names) == 32, "blocks checked against a content hash never share names with unchecked ones"
 
 
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "verify=never"])

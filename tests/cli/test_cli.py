@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -100,7 +101,7 @@ def test_errors_are_one_line_with_exit_codes(dataset: Path, bucket: Bucket, moto
     assert "is a directory" in fails(1, "cat", "/data/train")
     assert "No such command" in fails(2, "frobnicate")
     assert "Missing argument" in fails(2, "mount", "add", "/x")
-    assert [m.split()[0] for m in ok("mount", "ls").splitlines()[1:]] == ["/data", "/s3"], "nothing stored was lost"
+    assert [m["path"] for m in json.loads(ok("mount", "ls", "--json"))] == ["/data", "/s3"], "nothing stored was lost"
 
 
 def test_debug_shows_the_traceback() -> None:

@@ -8,7 +8,10 @@ byte. What the read path must show under it: 0 missing, 0 wrong, 0 duplicated, c
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,10 +256,9 @@ def test_http_without_hashes_delivers_flipped_bytes(nginx_faults: FaultControl, 
     assert nginx_faults.counts()["requests"] == counts["requests"]  # warm reads never went to the store
 
 
-def http_flip_with_checksums_file(nginx_faults: FaultControl, http_data: Dataset, tmp_path: Path) -> None:
-    """For the lead to enable (rename to test_...) once `gpufeed mount add --checksums FILE`
-    is merged: with a sha256sum file, a flipped byte on HTTP is caught like an S3 ETag
-    mismatch, retried, and never delivered or cached."""
+def test_http_flip_with_checksums_file(nginx_faults: FaultControl, http_data: Dataset, tmp_path: Path) -> None:
+    """With a sha256sum file (`mount add --checksums`), a flipped byte on HTTP is caught like an
+    S3 ETag mismatch, retried, and never delivered or cached."""
     import hashlib
 
     from gpufeed.cli.main import run
@@ -273,3 +275,46 @@ def http_flip_with_checksums_file(nginx_faults: FaultControl, http_data: Dataset
     assert (str(cold), str(warm)) == (str(Tally()), str(Tally()))
     assert flips > 0
 
+
+
+def test_http_flip_in_multi_block_objects_with_checksums(nginx_faults: FaultControl, http_data: Dataset, tmp_path: Path) -> None:
+    """Objects larger than a block: the agent fetches a hashed object whole, checks it, then caches
+    its blocks, so a flipped byte in any block is retried and never delivered or cached."""
+    import hashlib
+
+    from gpufeed.cli.main import run
+
+    sums = tmp_path / "SHA256SUMS"
+    sums.write_text("".join(f"{hashlib.sha256(data).hexdigest()}  {key}\n" for key, data in http_data.objects.items()))
+    with pytest.raises(SystemExit) as done:
+        run(["mount", "add", "/d", http_data.url, "--checksums", str(sums), "--opt", "block_size=4KiB"])
+    assert done.value.code == 0
+    assert sum(len(data) > 4096 for data in http_data.objects.values()) > 300, "most objects span blocks"
+    nginx_faults.configure(seed=5, rates={"flip": 0.02}, path_filter=r"\.bin$")
+    cold = _read_all("/d", http_data.objects)
+    flips = nginx_faults.counts()["injected"]["flip"]
+    warm = _read_all("/d", http_data.objects)
+    assert (str(cold), str(warm)) == (str(Tally()), str(Tally()))
+    assert flips > 0
+
+
+def test_a_hash_that_never_matches_fails_in_one_line_naming_both(nginx: HttpServer, tmp_path: Path) -> None:
+    """A checksums file that disagrees with the store: every attempt fails the check, the read
+    fails with ObjectCorrupted naming the object and both hashes, and nothing is cached."""
+    import hashlib
+
+    site = nginx.root / f"wrong-{tmp_path.name}"
+    site.mkdir()
+    data = os.urandom(10_000)
+    (site / "a.bin").write_bytes(data)
+    sums = tmp_path / "SHA256SUMS"
+    sums.write_text(f"{'0' * 64}  a.bin\n")
+    gpufeed_cli = [sys.executable, "-m", "gpufeed"]
+    added = subprocess.run([*gpufeed_cli, "mount", "add", "/v", f"{nginx.url}/{site.name}", "--checksums", str(sums)],
+                           capture_output=True, text=True)
+    assert added.returncode == 0, added.stderr
+    cat = subprocess.run([*gpufeed_cli, "cat", "/v/a.bin"], capture_output=True)
+    lines = cat.stderr.decode().strip().splitlines()
+    assert cat.returncode == 1 and cat.stdout == b"" and len(lines) == 1, cat.stderr
+    assert "a.bin" in lines[0] and "0" * 64 in lines[0] and hashlib.sha256(data).hexdigest() in lines[0]
+    assert gpufeed.client().agent.stats().blocks == 0, "nothing was cached"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import json
+from typing import Any
 
 import typer
-from rich.table import Table
 
 from gpufeed.cli.console import human_bytes, out, when
+from gpufeed.meta import Mount
 from gpufeed.meta.manifest import ManifestStats
 from gpufeed.namespace import Namespace, parse_options
 
@@ -18,6 +19,10 @@ def _summary(stats: ManifestStats) -> str:
     text = f"{stats.files} files, {human_bytes(stats.bytes)}"
     if stats.skipped:
         text += f"; skipped {stats.skipped} keys no path can name ('.', '..' or empty components)"
+    if stats.unhashed is not None:
+        text += f"; {stats.unhashed} listed files without a hash, {stats.unlisted} hashes naming no listed object"
+    if stats.kept_hashes:
+        text += f"; kept {stats.kept_hashes} content hashes of unchanged objects"
     return text
 
 
@@ -39,35 +44,57 @@ def add(
         "--max-age (strict), reads return only the listed version: its cached blocks are served, and a block "
         "the store must send fails until 'gpufeed mount refresh'.",
     ),
-    max_age: Optional[float] = typer.Option(
+    max_age: float | None = typer.Option(
         None,
         "--max-age",
         help="Trust the listing this many seconds; after that every open checks the object with one HEAD and "
         "reads its current version. An open file keeps the version it opened with, as in strict mode.",
     ),
-    listing: Optional[str] = typer.Option(None, "--list", help="http(s) only: file listing 'KEY [SIZE]' per line."),
+    listing: str | None = typer.Option(None, "--list", help="http(s) only: file listing 'KEY [SIZE]' per line."),
+    checksums: str | None = typer.Option(
+        None, "--checksums", help="sha256sum/md5sum output ('<hex>  <path>', paths relative to the source root): content hashes."
+    ),
+    allow_empty: bool = typer.Option(False, "--allow-empty", help="Mount even when the listing finds no objects."),
 ) -> None:
     """List a source once into a manifest and mount it."""
     options = parse_options(opt)
     if listing is not None:
         options["list"] = listing
-    mount, stats = Namespace().add_mount(nspath, url, options, immutable=immutable, max_age=max_age)
+    mount, stats = Namespace().add_mount(
+        nspath, url, options, immutable=immutable, max_age=max_age, checksums=checksums, allow_empty=allow_empty
+    )
     out.print(f"mounted {mount.url} at {mount.path}: {_summary(stats)}", highlight=False)
 
 
+def _record(m: Mount) -> dict[str, Any]:
+    """A mount as `mount ls` shows it: credentials masked, every other value in full."""
+    return {
+        "path": m.path,
+        "source": m.url,
+        "policy": "immutable" if m.immutable else (f"max-age {m.max_age:g}s" if m.max_age is not None else "strict"),
+        "options": {k: "***" if _secret(k) else v for k, v in sorted(m.options.items())},
+        "listed_at": m.listed_at,
+        "generation": m.generation,
+    }
+
+
 @app.command("ls")
-def ls() -> None:
-    """Show every mount."""
-    mounts = Namespace().mounts()
-    if not mounts:
+def ls(as_json: bool = typer.Option(False, "--json", help="One JSON array of mount records.")) -> None:
+    """Show every mount, every value in full (one field per line, never cut to the terminal)."""
+    records = [_record(m) for m in Namespace().mounts()]
+    if as_json:
+        typer.echo(json.dumps(records, indent=2))
+        return
+    if not records:
         out.print("no mounts (add one with 'gpufeed mount add /data URL')")
         return
-    table = Table("path", "source", "policy", "options", "listed", box=None)
-    for m in mounts:
-        policy = "immutable" if m.immutable else (f"max-age {m.max_age:g}s" if m.max_age is not None else "strict")
-        options = " ".join(f"{k}={'***' if _secret(k) else v}" for k, v in sorted(m.options.items())) or "-"
-        table.add_row(m.path, m.url, policy, options, when(m.listed_at))
-    out.print(table)
+    blocks = []
+    for r in records:
+        lines = [r["path"], f"  source:   {r['source']}", f"  policy:   {r['policy']}"]
+        lines += [f"  option:   {k}={v}" for k, v in r["options"].items()]
+        lines.append(f"  listed:   {when(r['listed_at'])} (manifest generation {r['generation']})")
+        blocks.append("\n".join(lines))
+    typer.echo("\n\n".join(blocks))
 
 
 @app.command("rm")

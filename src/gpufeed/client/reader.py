@@ -444,9 +444,9 @@ class Client:
             if not policy.enabled:
                 yield item, 0
                 continue
-            info = ObjectInfo(where.key, item.size, item.mtime, item.etag)
             mount = where.mount
-            blocks = object_blocks(mount.url, source_options(mount), info, policy.block_size, not mount.immutable)
+            assert item.info is not None
+            blocks = object_blocks(mount.url, source_options(mount), item.info, policy.block_size, not mount.immutable)
             present = (i for i in range(blocks.count) if block_path(dirs, blocks.block(i)).exists())
             yield item, sum(blocks.length(i) for i in present)
 

@@ -3,6 +3,11 @@
 A mount's manifest is stored as one *generation*: rows (parent dir, name) → entry. A refresh
 writes a new generation beside the old one and then switches the mount record to it in one
 write, so readers see the old manifest or the new one, never half of each.
+
+Schema versions (SQLite `PRAGMA user_version`, Redis `{prefix}:schema`):
+  1  rows of (parent, name, is_dir, size, mtime, etag); SQLite's user_version was left 0
+  2  adds content_hash, pack_key, pack_offset, pack_length (all nullable)
+An engine migrates an older database when it opens it, and refuses a newer one.
 """
 
 from __future__ import annotations
@@ -14,9 +19,18 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from gpufeed.errors import MetadataError
+import xxhash
 
+from gpufeed.errors import MetadataError
 from gpufeed.sources.base import ObjectInfo
+
+SCHEMA_VERSION = 2
+
+
+def newer_schema(where: str, found: int) -> MetadataError:
+    return MetadataError(
+        f"{where}: metadata schema version {found} is newer than this gpufeed knows ({SCHEMA_VERSION}); upgrade gpufeed"
+    )
 
 
 @dataclass(frozen=True)
@@ -40,7 +54,10 @@ class Mount:
 
 
 class Entry(NamedTuple):
-    """One manifest row. Directories have a true is_dir (SQLite gives 1) and no size or version."""
+    """One manifest row: where it sits (parent, name), whether it is a directory, then the
+    fields of the object's `ObjectInfo`. A thin tuple because a mount writes millions of them;
+    `of` and `object_info` are the one place rows and ObjectInfo convert. Directories have a
+    true is_dir (SQLite gives 1) and no size or version."""
 
     parent: str
     name: str
@@ -48,18 +65,48 @@ class Entry(NamedTuple):
     size: int = 0
     mtime: float = 0.0
     etag: str | None = None
+    content_hash: str | None = None
+    pack_key: str | None = None
+    pack_offset: int | None = None
+    pack_length: int | None = None
+
+    @classmethod
+    def of(cls, info: ObjectInfo) -> Entry:
+        parent, _, name = info.key.rpartition("/")
+        return cls(
+            parent, name, False, info.size, info.mtime, info.etag,
+            info.content_hash, info.pack_key, info.pack_offset, info.pack_length,
+        )
 
     @property
     def key(self) -> str:
         return f"{self.parent}/{self.name}" if self.parent else self.name
 
+    @property
+    def entry_id(self) -> int:
+        """Stable id of the entry: xxh3-64 of its key (relative to the mount's source root).
+        A pure function of the key, so it is the same in every generation (a refresh keeps it
+        for an unchanged key), on every engine and every node, and needs no column."""
+        return xxhash.xxh3_64_intdigest(self.key.encode())
+
     def object_info(self) -> ObjectInfo:
-        return ObjectInfo(self.key, self.size, self.mtime, self.etag)
+        return ObjectInfo(
+            self.key, self.size, self.mtime, self.etag,
+            self.content_hash, self.pack_key, self.pack_offset, self.pack_length,
+        )
 
     def same_version(self, other: Entry) -> bool:
-        if self.size != other.size or self.etag != other.etag:
+        """Whether two rows describe one version. A row listed without a version (an HTTP
+        `KEY SIZE` line) matches on size alone: the version its first open pinned is not a change."""
+        if self.size != other.size:
             return False
-        return self.etag is not None or self.mtime == other.mtime
+        if not self.versioned or not other.versioned:
+            return True
+        return self.etag == other.etag and (self.etag is not None or self.mtime == other.mtime)
+
+    @property
+    def versioned(self) -> bool:
+        return self.etag is not None or self.mtime != 0.0
 
 
 class MetaEngine(Protocol):
@@ -68,6 +115,11 @@ class MetaEngine(Protocol):
     url: str
 
     def mounts(self) -> list[Mount]: ...
+
+    def check_writable(self) -> None:
+        """Raise MetadataError (naming where and why) when the engine is known to refuse writes,
+        so a writing command fails before it lists a store or hashes a dataset."""
+        ...
 
     def commit_mount(self, mount: Mount, *, previous: int | None) -> None:
         """Insert the mount (previous=None; MountConflict if the path exists) or switch it to a

@@ -7,7 +7,7 @@ diff manifests the same way. Memory stays bounded by the number of directories, 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from gpufeed.meta.base import Entry, MetaEngine, Mount
@@ -26,6 +26,12 @@ class ManifestStats:
     added: int = 0
     changed: int = 0
     removed: int = 0
+    unhashed: int | None = None
+    """With a checksums file: listed files it has no hash for."""
+    unlisted: int | None = None
+    """With a checksums file: its paths that name no listed object."""
+    kept_hashes: int = 0
+    """On refresh: content hashes carried over from unchanged objects."""
 
 
 def _usable(key: str) -> bool:
@@ -33,8 +39,11 @@ def _usable(key: str) -> bool:
     return bool(key) and all(part not in ("", ".", "..") for part in key.split("/")) and "\0" not in key
 
 
-def entries_from_listing(batches: Iterable[list[ObjectInfo]], stats: ManifestStats) -> Iterator[list[Entry]]:
-    """File entries plus one entry per implied directory, in batches of about WRITE_BATCH."""
+def entries_from_listing(
+    batches: Iterable[list[ObjectInfo]], stats: ManifestStats, hashes: dict[str, str] | None = None
+) -> Iterator[list[Entry]]:
+    """File entries plus one entry per implied directory, in batches of about WRITE_BATCH.
+    `hashes` (key -> content hash) is consumed: what is left names no listed object."""
     seen_dirs: set[str] = set()
     out: list[Entry] = []
     for batch in batches:
@@ -42,14 +51,20 @@ def entries_from_listing(batches: Iterable[list[ObjectInfo]], stats: ManifestSta
             if not _usable(info.key):
                 stats.skipped += 1
                 continue
-            parent, _, name = info.key.rpartition("/")
+            parent = info.key.rpartition("/")[0]
             directory = parent
             while directory and directory not in seen_dirs:
                 seen_dirs.add(directory)
                 grand, _, base = directory.rpartition("/")
                 out.append(Entry(grand, base, True))
                 directory = grand
-            out.append(Entry(parent, name, False, info.size, info.mtime, info.etag))
+            if hashes is not None:
+                content_hash = hashes.pop(info.key, None)
+                if content_hash is None:
+                    stats.unhashed = (stats.unhashed or 0) + 1
+                else:
+                    info = replace(info, content_hash=content_hash)
+            out.append(Entry.of(info))
             stats.files += 1
             stats.bytes += info.size
         if len(out) >= WRITE_BATCH:
@@ -59,15 +74,20 @@ def entries_from_listing(batches: Iterable[list[ObjectInfo]], stats: ManifestSta
         yield out
 
 
-def count_changes(old: Iterator[Entry], new: Iterator[Entry], stats: ManifestStats) -> None:
-    """Merge-join two generations ordered by (parent, name)."""
+def count_changes(old: Iterator[Entry], new: Iterator[Entry], stats: ManifestStats) -> list[Entry]:
+    """Merge-join two generations ordered by (parent, name). Returns the new entries that take
+    over the content hash of their unchanged (same version) old entry: a hash vouches for one
+    version, so a changed object loses it."""
     sentinel = Entry("\U0010ffff", "", False)
+    keep: list[Entry] = []
     a, b = next(old, sentinel), next(new, sentinel)
     while a is not sentinel or b is not sentinel:
         ka, kb = (a.parent, a.name), (b.parent, b.name)
         if ka == kb:
             if not a.same_version(b):
                 stats.changed += 1
+            elif a.content_hash is not None and b.content_hash is None:
+                keep.append(b._replace(content_hash=a.content_hash))
             a, b = next(old, sentinel), next(new, sentinel)
         elif a is not sentinel and (b is sentinel or ka < kb):
             stats.removed += 1
@@ -75,19 +95,38 @@ def count_changes(old: Iterator[Entry], new: Iterator[Entry], stats: ManifestSta
         else:
             stats.added += 1
             b = next(new, sentinel)
+    stats.kept_hashes = len(keep)
+    return keep
 
 
-def write_manifest(engine: MetaEngine, mount: Mount, source: Source, *, create: bool) -> tuple[Mount, ManifestStats]:
-    """List `source` into a new generation and switch `mount` to it; the old one is dropped after."""
+def write_manifest(
+    engine: MetaEngine,
+    mount: Mount,
+    source: Source,
+    *,
+    create: bool,
+    hashes: dict[str, str] | None = None,
+    check: Callable[[ManifestStats], None] | None = None,
+) -> tuple[Mount, ManifestStats]:
+    """List `source` into a new generation and switch `mount` to it; the old one is dropped after.
+    `hashes` (key -> "sha256:<hex>"…) go into the entries they name; `check` may refuse the
+    listing (raise) before anything is recorded."""
     stats = ManifestStats()
     generation = engine.new_generation()
     try:
-        for entries in entries_from_listing(source.list(), stats):
+        for entries in entries_from_listing(source.list(), stats, hashes):
             engine.put_entries(generation, entries)
+        if hashes is not None:
+            stats.unlisted = len(hashes)
+            stats.unhashed = stats.unhashed or 0
+        if check is not None:
+            check(stats)
         if create:
             stats.added = stats.files
         else:
-            count_changes(engine.walk(mount.generation, ""), engine.walk(generation, ""), stats)
+            keep = count_changes(engine.walk(mount.generation, ""), engine.walk(generation, ""), stats)
+            for start in range(0, len(keep), WRITE_BATCH):
+                engine.put_entries(generation, keep[start : start + WRITE_BATCH])
         listed = replace(mount, generation=generation, listed_at=time.time())
         engine.commit_mount(listed, previous=None if create else mount.generation)
     except BaseException:

@@ -5,7 +5,11 @@ Layout (prefix `gf:` by default, `?prefix=` in the URL changes it):
   gf:generation            counter
   gf:g:{gen}:dirs          set   every parent directory that has entries
   gf:g:{gen}:d:{parent}    hash  name -> encoded entry
-A stat is one HGET, an `ls` one HGETALL.
+  gf:schema                the schema version (gpufeed.meta.base)
+A stat is one HGET, an `ls` one HGETALL. An entry is "d" for a directory, else the JSON array
+[size, mtime, etag, content_hash, pack_key, pack_offset, pack_length] without trailing nulls.
+Schema 1 encoded files as "f|size|mtime|etag"; such rows are still read (their new fields are
+null), so migrating a schema-1 database only records the version: no row is rewritten.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from collections.abc import Iterable, Iterator
 from typing import cast
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
+import msgspec
 import redis
 from redis.typing import EncodableT, FieldT
 
 from gpufeed.errors import MetadataError, MountConflict
-from gpufeed.meta.base import Entry, Mount, engine_errors
+from gpufeed.meta.base import SCHEMA_VERSION, Entry, Mount, engine_errors, newer_schema
 
 PIPELINE_CHUNK = 500
 
@@ -34,17 +39,26 @@ return 0
 """
 
 
+_json = msgspec.json.Encoder()
+_fields = msgspec.json.Decoder(list)
+
+
 def _encode(entry: Entry) -> str:
     if entry.is_dir:
         return "d"
-    return f"f|{entry.size}|{entry.mtime!r}|{entry.etag if entry.etag is not None else ''}"
+    fields = list(entry[3:])
+    while fields[-1] is None:
+        fields.pop()
+    return _json.encode(fields).decode()
 
 
 def _decode(parent: str, name: str, raw: str) -> Entry:
     if raw == "d":
         return Entry(parent, name, True)
-    _, size, mtime, etag = raw.split("|", 3)
-    return Entry(parent, name, False, int(size), float(mtime), etag or None)
+    if raw.startswith("f|"):  # schema 1
+        _, size, mtime, etag = raw.split("|", 3)
+        return Entry(parent, name, False, int(size), float(mtime), etag or None)
+    return Entry(parent, name, False, *_fields.decode(raw))
 
 
 @engine_errors(redis.RedisError)
@@ -73,16 +87,31 @@ class RedisEngine:
         return self._client
 
     def _check(self) -> None:
+        """Reach the server and settle the schema version: an empty prefix or a schema-1
+        layout (no version key) is recorded as the current version; a newer one is refused."""
+        key = f"{self.prefix}:schema"
         try:
-            self._r.ping()
+            raw = self._r.get(key)
+            if raw is None:
+                self._r.setnx(key, SCHEMA_VERSION)
+                raw = self._r.get(key)
         except redis.RedisError as exc:
             raise MetadataError(f"metadata server {self.url}: {exc}") from exc
+        try:
+            version = int(cast(str, raw))
+        except (TypeError, ValueError):
+            raise MetadataError(f"metadata server {self.url}: {key} is {raw!r}, not a schema version") from None
+        if version > SCHEMA_VERSION:
+            raise newer_schema(f"metadata server {self.url} (prefix {self.prefix})", version)
 
     def _dirs(self, generation: int) -> str:
         return f"{self.prefix}:g:{generation}:dirs"
 
     def _dir(self, generation: int, parent: str) -> str:
         return f"{self.prefix}:g:{generation}:d:{parent}"
+
+    def check_writable(self) -> None:
+        """Redis reports a refused write (read-only replica, maxmemory) on the write itself."""
 
     def mounts(self) -> list[Mount]:
         records = self._r.hgetall(f"{self.prefix}:mounts")
@@ -144,7 +173,7 @@ class RedisEngine:
             pipe = self._r.pipeline(transaction=False)
             for parent in chunk:
                 pipe.hgetall(self._dir(generation, parent))
-            for parent, mapping in zip(chunk, pipe.execute()):
+            for parent, mapping in zip(chunk, pipe.execute(), strict=True):
                 for name in sorted(mapping):
                     entry = _decode(parent, name, mapping[name])
                     if not entry.is_dir:

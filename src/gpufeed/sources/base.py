@@ -17,6 +17,8 @@ class ObjectInfo:
     the store has none; then the version is derived from mtime and size. `content_hash` is a
     hash of the whole object the manifest vouches for (`"sha256:<hex>"`, `"md5:<hex>"`), from
     a checksums file or `gpufeed verify`; None when nothing but the store vouches for it.
+    `pack_key`, `pack_offset`, `pack_length`: where the object's bytes lie inside a pack
+    object of the same store (None when the object is stored on its own).
     """
 
     key: str
@@ -24,6 +26,9 @@ class ObjectInfo:
     mtime: float
     etag: str | None = None
     content_hash: str | None = None
+    pack_key: str | None = None
+    pack_offset: int | None = None
+    pack_length: int | None = None
 
     @property
     def version(self) -> str:

@@ -1,0 +1,50 @@
+"""`gpufeed verify NSPATH`: hash what is there once, record it, report what differs."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from gpufeed import verify as verifying
+from gpufeed.cli.console import err, human_bytes, out
+from gpufeed.client import Client
+
+
+def verify(nspath: str = typer.Argument(..., help="Namespace path (a file or a directory) to hash.")) -> None:
+    """Hash every file under NSPATH through the read path (sha256, or the algorithm of a hash
+    the manifest has). Records the hash where the manifest has none; where it has one, prints
+    each mismatch (path and both hashes) and exits 1."""
+    client = Client()
+    client.namespace.engine.check_writable()
+    target = verifying.listed(client, nspath)
+    files = target.files
+    columns = (
+        TextColumn("verifying"),
+        BarColumn(),
+        TextColumn("{task.fields[files]}/" + str(len(files)) + " files"),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    started = time.monotonic()
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task("verify", total=sum(f.size for f in files), files=0)
+        done = verifying.verify(client, target, lambda p: bar.update(task, completed=p.bytes, files=p.files))
+    for mismatch in done.mismatches:
+        err.print(f"gpufeed: mismatch: {mismatch}", markup=False, highlight=False, soft_wrap=True)
+    out.print(
+        f"verified {done.files} files, {human_bytes(done.bytes)} in {time.monotonic() - started:.1f} s: "
+        f"{done.recorded} hashes recorded, {done.matched} matched, {len(done.mismatches)} mismatched",
+        highlight=False,
+    )
+    if done.mismatches:
+        raise typer.Exit(1)

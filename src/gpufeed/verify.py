@@ -1,0 +1,153 @@
+"""Hash every file under a namespace path once, through the read path, and record or compare.
+
+A file whose manifest entry has no content hash gets its sha256 recorded in the mount's current
+manifest generation; one that has a hash is hashed with that hash's algorithm and compared. The
+bytes come from the client (cache hits, or the agent), never from a source opened here, so what
+is hashed is what a training job reads. Small files are read in batches (`read_files`), large
+ones in chunks through one open file, so one version is hashed and memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from gpufeed.client import Client
+from gpufeed.errors import ObjectCorrupted
+from gpufeed.namespace import FileStat
+from gpufeed.sources.base import ObjectInfo
+
+BATCH_BYTES = 64 << 20
+BATCH_FILES = 256
+CHUNK = 16 << 20
+RECORD_EVERY = 1000
+"""Hashes are written to the manifest this many at a time, so a stopped verify keeps most."""
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    path: str
+    recorded: str
+    computed: str | None
+    detail: str = ""
+
+    def __str__(self) -> str:
+        if self.computed is None:
+            return f"{self.path}: recorded {self.recorded}; the read failed: {self.detail}"
+        return f"{self.path}: recorded {self.recorded}, the store holds {self.computed}"
+
+
+@dataclass
+class Verified:
+    files: int = 0
+    bytes: int = 0
+    recorded: int = 0
+    matched: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+
+def _algorithm(item: FileStat) -> str:
+    return item.content_hash.partition(":")[0] if item.content_hash else "sha256"
+
+
+@dataclass(frozen=True)
+class Listed:
+    """Files to verify and the manifest generation of each mount they were listed from: the
+    generations are read before the walk, so a refresh in between shows as a conflict when
+    hashes are recorded, never as hashes written into a generation the files did not come from."""
+
+    files: list[FileStat]
+    generations: dict[str, int]
+
+
+def listed(client: Client, path: str) -> Listed:
+    generations = {m.path: m.generation for m in client.namespace.mounts(fresh=True)}
+    return Listed(list(client.walk(path)), generations)
+
+
+class _Recorder:
+    """New hashes per (mount path, generation), written every RECORD_EVERY."""
+
+    def __init__(self, client: Client, generations: dict[str, int]) -> None:
+        self.client = client
+        self.generations = generations
+        self.pending: dict[tuple[str, int], list[ObjectInfo]] = defaultdict(list)
+        self.count = 0
+        self.recorded = 0
+
+    def add(self, item: FileStat, content_hash: str) -> None:
+        where = self.client.namespace.resolve(item.path)
+        assert where is not None and item.info is not None
+        generation = self.generations.get(where.mount.path, -1)
+        self.pending[(where.mount.path, generation)].append(replace(item.info, content_hash=content_hash))
+        self.count += 1
+        if self.count >= RECORD_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        for (mount_path, generation), infos in self.pending.items():
+            self.recorded += self.client.namespace.record_hashes(mount_path, generation, infos)
+        self.pending.clear()
+        self.count = 0
+
+
+def verify(client: Client, target: Listed, progress: Callable[[Verified], None] = lambda _: None) -> Verified:
+    """Hash the listed files; record hashes where the manifest has none, compare where it has
+    one. (A list, not the walk itself: the walk is over before hashes are written beside it.)"""
+    done = Verified()
+    recorder = _Recorder(client, target.generations)
+
+    def check(item: FileStat, digest: str) -> None:
+        computed = f"{_algorithm(item)}:{digest}"
+        if item.content_hash is None:
+            recorder.add(item, computed)
+        elif item.content_hash == computed:
+            done.matched += 1
+        else:
+            done.mismatches.append(Mismatch(item.path, item.content_hash, computed))
+        done.files += 1
+        done.bytes += item.size
+        progress(done)
+
+    def one(item: FileStat) -> None:
+        hasher = hashlib.new(_algorithm(item))
+        try:
+            with client.open(item.path) as f:
+                buffer = bytearray(min(CHUNK, max(item.size, 1)))
+                while n := f.readinto(buffer):
+                    hasher.update(memoryview(buffer)[:n])
+        except ObjectCorrupted as exc:
+            done.mismatches.append(Mismatch(item.path, item.content_hash or "-", None, str(exc)))
+            done.files += 1
+            progress(done)
+            return
+        check(item, hasher.hexdigest())
+
+    def batch(items: list[FileStat]) -> None:
+        try:
+            views = client.read_files([item.path for item in items])
+        except ObjectCorrupted:
+            for item in items:  # find which one, read alone
+                one(item)
+            return
+        for item, view in zip(items, views, strict=True):
+            check(item, hashlib.new(_algorithm(item), view).hexdigest())
+
+    small: list[FileStat] = []
+    small_bytes = 0
+    for item in target.files:
+        if item.size > CHUNK:
+            one(item)
+            continue
+        small.append(item)
+        small_bytes += item.size
+        if small_bytes >= BATCH_BYTES or len(small) >= BATCH_FILES:
+            batch(small)
+            small, small_bytes = [], 0
+    if small:
+        batch(small)
+    recorder.flush()
+    done.recorded = recorder.recorded
+    return done

@@ -1,0 +1,68 @@
+"""`gpufeed verify` and `mount add --checksums`, as a user runs them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from gpufeed.namespace import Namespace
+from tests.cli.test_cli import fails, gpufeed, ok
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_verify_records_then_matches(dataset: Path) -> None:
+    ok("mount", "add", "/data", f"file://{dataset}")
+    first = gpufeed("verify", "/data/train")
+    assert first.returncode == 0, first.stderr
+    assert "verified 6 files" in first.stdout and "6 hashes recorded, 0 matched, 0 mismatched" in first.stdout
+    assert "verifying" in first.stderr, "a progress bar"
+    ns = Namespace()
+    assert ns.stat("/data/train/dogs/1.jpg").content_hash == f"sha256:{sha256(dataset / 'train/dogs/1.jpg')}"
+    assert ns.stat("/data/README").content_hash is None, "only what is under NSPATH"
+    again = ok("verify", "/data")
+    assert "verified 8 files" in again and "2 hashes recorded, 6 matched, 0 mismatched" in again
+
+
+def test_verify_reports_each_mismatch_and_exits_1(dataset: Path, tmp_path: Path) -> None:
+    wrong = "f" * 64
+    right = sha256(dataset / "train/cats/1.jpg")
+    sums = tmp_path / "SHA256SUMS"
+    sums.write_text(f"{right}  train/cats/1.jpg\n{wrong}  ./train/cats/2.jpg\n{'0' * 64}  nowhere.bin\n")
+    added = ok("mount", "add", "/data", f"file://{dataset}", "--checksums", str(sums))
+    assert "6 listed files without a hash, 1 hashes naming no listed object" in added
+    result = gpufeed("verify", "/data/train/cats")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    [line] = [line for line in result.stderr.splitlines() if "mismatch" in line]
+    assert "/data/train/cats/2.jpg" in line and f"sha256:{wrong}" in line
+    assert "Traceback" not in result.stderr
+    assert "1 hashes recorded, 1 matched, 1 mismatched" in result.stdout
+
+
+def test_malformed_checksums_line_is_one_line_and_records_nothing(dataset: Path, tmp_path: Path) -> None:
+    sums = tmp_path / "SUMS"
+    sums.write_text(f"{'0' * 64}  README\nnot a checksum line\n")
+    failed = fails(2, "mount", "add", "/data", f"file://{dataset}", "--checksums", str(sums))
+    assert f"{sums}:2: expected '<hex>  <path>'" in failed
+    assert "no mounts" in ok("mount", "ls")
+
+
+def test_empty_prefix_fails_with_a_hint(dataset: Path) -> None:
+    (dataset / "trian").mkdir()
+    line = fails(1, "mount", "add", "/data", f"file://{dataset}/trian")
+    assert f"no objects under this prefix; did you mean file://{dataset}/train? (--allow-empty mounts it anyway)" in line
+    assert "mounted" in ok("mount", "add", "/data", f"file://{dataset}/trian", "--allow-empty")
+
+
+def test_mount_ls_shows_full_values(dataset: Path, tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 120) / ("e" * 120)
+    deep.mkdir(parents=True)
+    (deep / "f.bin").write_bytes(b"f")
+    ok("mount", "add", "/data", f"file://{deep}", "-o", "block_size=64KiB", "--max-age", "30")
+    shown = ok("mount", "ls")
+    assert f"source:   file://{deep}\n" in shown and "option:   block_size=64KiB" in shown and "max-age 30s" in shown
+    [record] = json.loads(ok("mount", "ls", "--json"))
+    assert (record["path"], record["source"], record["options"]) == ("/data", f"file://{deep}", {"block_size": "64KiB"})
