@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.agent.client import stop_agent
+from gpufeed.client.connection import stop_agent
 from gpufeed.config import Settings
 from tests.cli.test_cli import fails, ok
 from tests.meta.test_schema import schema_1_sqlite

@@ -256,46 +256,43 @@ def test_http_without_hashes_delivers_flipped_bytes(nginx_faults: FaultControl, 
     assert nginx_faults.counts()["requests"] == counts["requests"]  # warm reads never went to the store
 
 
-def test_http_flip_with_checksums_file(nginx_faults: FaultControl, http_data: Dataset, tmp_path: Path) -> None:
-    """With a sha256sum file (`mount add --checksums`), a flipped byte on HTTP is caught like an
-    S3 ETag mismatch, retried, and never delivered or cached."""
+def _mount_with_checksums(data: Dataset, sums: Path, *options: str) -> None:
+    """`gpufeed mount add /d … --checksums` with a sha256sum file of `data`'s objects."""
     import hashlib
 
     from gpufeed.cli.main import run
 
-    sums = tmp_path / "SHA256SUMS"
-    sums.write_text("".join(f"{hashlib.sha256(data).hexdigest()}  {key}\n" for key, data in http_data.objects.items()))
+    sums.write_text("".join(f"{hashlib.sha256(body).hexdigest()}  {key}\n" for key, body in data.objects.items()))
     with pytest.raises(SystemExit) as done:
-        run(["mount", "add", "/d", http_data.url, "--checksums", str(sums)])
+        run(["mount", "add", "/d", data.url, "--checksums", str(sums), *options])
     assert done.value.code == 0
-    nginx_faults.configure(seed=3, rates={"flip": 0.01}, path_filter=r"\.bin$")
-    cold = _read_all("/d", http_data.objects)
-    flips = nginx_faults.counts()["injected"]["flip"]
-    warm = _read_all("/d", http_data.objects)
+
+
+def _flips_never_delivered(faults: FaultControl, objects: dict[str, bytes], seed: int, rate: float) -> None:
+    """Read every object cold, then warm, with `rate` of data GETs carrying a flipped byte: none
+    missing, wrong or duplicated, and flips did happen."""
+    faults.configure(seed=seed, rates={"flip": rate}, path_filter=r"\.bin$")
+    cold = _read_all("/d", objects)
+    flips = faults.counts()["injected"]["flip"]
+    warm = _read_all("/d", objects)
     assert (str(cold), str(warm)) == (str(Tally()), str(Tally()))
     assert flips > 0
+
+
+def test_http_flip_with_checksums_file(nginx_faults: FaultControl, http_data: Dataset, tmp_path: Path) -> None:
+    """With a sha256sum file (`mount add --checksums`), a flipped byte on HTTP is caught like an
+    S3 ETag mismatch, retried, and never delivered or cached."""
+    _mount_with_checksums(http_data, tmp_path / "SHA256SUMS")
+    _flips_never_delivered(nginx_faults, http_data.objects, seed=3, rate=0.01)
 
 
 
 def test_http_flip_in_multi_block_objects_with_checksums(nginx_faults: FaultControl, http_data: Dataset, tmp_path: Path) -> None:
     """Objects larger than a block: the agent fetches a hashed object whole, checks it, then caches
     its blocks, so a flipped byte in any block is retried and never delivered or cached."""
-    import hashlib
-
-    from gpufeed.cli.main import run
-
-    sums = tmp_path / "SHA256SUMS"
-    sums.write_text("".join(f"{hashlib.sha256(data).hexdigest()}  {key}\n" for key, data in http_data.objects.items()))
-    with pytest.raises(SystemExit) as done:
-        run(["mount", "add", "/d", http_data.url, "--checksums", str(sums), "--opt", "block_size=4KiB"])
-    assert done.value.code == 0
+    _mount_with_checksums(http_data, tmp_path / "SHA256SUMS", "--opt", "block_size=4KiB")
     assert sum(len(data) > 4096 for data in http_data.objects.values()) > 300, "most objects span blocks"
-    nginx_faults.configure(seed=5, rates={"flip": 0.02}, path_filter=r"\.bin$")
-    cold = _read_all("/d", http_data.objects)
-    flips = nginx_faults.counts()["injected"]["flip"]
-    warm = _read_all("/d", http_data.objects)
-    assert (str(cold), str(warm)) == (str(Tally()), str(Tally()))
-    assert flips > 0
+    _flips_never_delivered(nginx_faults, http_data.objects, seed=5, rate=0.02)
 
 
 def test_a_hash_that_never_matches_fails_in_one_line_naming_both(nginx: HttpServer, tmp_path: Path) -> None:

@@ -5,17 +5,9 @@ from __future__ import annotations
 import time
 
 import typer
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 from gpufeed import verify as verifying
-from gpufeed.cli.console import err, human_bytes, out
+from gpufeed.cli.console import err, human_bytes, out, transfer_progress
 from gpufeed.client import Client
 
 
@@ -27,16 +19,8 @@ def verify(nspath: str = typer.Argument(..., help="Namespace path (a file or a d
     client.namespace.engine.check_writable()
     target = verifying.listed(client, nspath)
     files = target.files
-    columns = (
-        TextColumn("verifying"),
-        BarColumn(),
-        TextColumn("{task.fields[files]}/" + str(len(files)) + " files"),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
     started = time.monotonic()
-    with Progress(*columns, console=err, transient=False) as bar:
+    with transfer_progress("verifying", len(files)) as bar:
         task = bar.add_task("verify", total=sum(f.size for f in files), files=0)
         done = verifying.verify(client, target, lambda p: bar.update(task, completed=p.bytes, files=p.files))
     for mismatch in done.mismatches:

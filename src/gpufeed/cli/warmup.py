@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 
 from gpufeed import warmup as warming
-from gpufeed.cli.console import err, human_bytes, out
+from gpufeed.cli.console import human_bytes, out, transfer_progress
 from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument
 
@@ -61,19 +61,9 @@ def warmup(
         to_fetch = human_bytes(total - cached)
         out.print(f"{count} files, {human_bytes(total)}; {fraction:.1%} cached ({to_fetch} to fetch)", highlight=False)
         return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
     files = warming.files_under(client, wanted)
-    columns = (
-        TextColumn("warming"),
-        BarColumn(),
-        TextColumn("{task.fields[files]}/" + str(len(files)) + " files"),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
     started = time.monotonic()
-    with Progress(*columns, console=err, transient=False) as bar:
+    with transfer_progress("warming", len(files)) as bar:
         task = bar.add_task("warmup", total=sum(f.size for f in files), files=0)
         done = warming.warm(
             client, files, wanted, concurrency, lambda p: bar.update(task, completed=p.done_bytes, files=p.done_files)
