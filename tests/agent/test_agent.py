@@ -409,3 +409,21 @@ def test_the_agent_reads_with_the_callers_credentials(bucket: Bucket, gpufeed_ho
     assert started.returncode == 0, started.stderr
     assert gpufeed.read("/s3/k.bin") == b"payload"
     assert stats().misses == 1, "the agent fetched it"
+
+
+def test_a_malformed_message_ends_its_connection_only(files: dict[str, bytes], gpufeed_home: Path) -> None:
+    """Messages are typed: a frame that is not one (or a request before Hello) is refused whole,
+    that connection closes, and the agent goes on serving everyone else."""
+    assert gpufeed.read("/data/00001.bin") == files["00001.bin"]
+    for first, then in [(Hello(codec.VERSION), b"\x92\x01\x02"), (None, codec.frame(Shutdown())[4:])]:
+        sock = connect(gpufeed_home / "cache", 5)
+        assert sock is not None
+        if first is not None:
+            sock.sendall(codec.frame(first))
+            codec.recv_reply(sock)
+        sock.sendall(len(then).to_bytes(4, "little") + then)
+        with pytest.raises(ConnectionResetError):
+            codec.recv_reply(sock)
+        sock.close()
+    assert Client().read("/data/00002.bin") == files["00002.bin"]
+    assert stats().pid == AgentClient(Settings.from_env()).hello().pid, "the same agent, still serving"

@@ -28,7 +28,6 @@ from gpufeed.blocks import BlockId, ObjectBlocks, object_blocks
 from gpufeed.config import Settings
 from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant
 from gpufeed.sources import Source, open_source
-from gpufeed.sources.base import ObjectInfo
 
 log = logging.getLogger("gpufeed.agent")
 
@@ -58,14 +57,9 @@ class Job:
         return self.blocks.block(self.index)
 
     @property
-    def info(self) -> ObjectInfo:
-        w = self.want
-        return ObjectInfo(w.key, w.size, w.mtime, w.etag, w.content_hash)
-
-    @property
     def verified_whole(self) -> bool:
         """Whether this object's blocks are cached only after the whole object matched its hash."""
-        return bool(self.want.content_hash) and self.blocks.count > 1 and self.want.size <= WHOLE_OBJECT_MAX
+        return bool(self.want.info.content_hash) and self.blocks.count > 1 and self.want.info.size <= WHOLE_OBJECT_MAX
 
 
 class BlockSource(Protocol):
@@ -85,12 +79,12 @@ class StoreBlocks:
 
     async def read(self, job: Job, start: int, end: int) -> memoryview:
         began = time.monotonic()
-        data = await job.source.get_range_async(job.want.key, start, end, job.info, conditional=job.want.check)
+        data = await job.source.get_range_async(job.want.info.key, start, end, job.want.info, conditional=job.want.check)
         self.metrics.store_latency(time.monotonic() - began)
         self.metrics.count("misses")
         self.metrics.count("bytes_fetched", len(data))
         if len(data) != end - start:  # the object shrank or grew: never publish a short block
-            raise errors.ObjectChanged(f"{job.want.key}: the source returned {len(data)} bytes for [{start}, {end})")
+            raise errors.ObjectChanged(f"{job.want.info.key}: the source returned {len(data)} bytes for [{start}, {end})")
         return data
 
 
@@ -125,13 +119,13 @@ class Fetcher:
         for group in groups:
             source = self.source(group)
             for want in group.objects:
-                info = ObjectInfo(want.key, want.size, want.mtime, want.etag, want.content_hash)
+                info = want.info
                 try:
                     blocks = object_blocks(group.source.url, group.source.options, info, want.block_size, want.check)
                 except ValueError as exc:
                     raise errors.InvalidArgument(str(exc)) from None
                 if any(not 0 <= i < blocks.count for i in want.blocks):
-                    raise errors.InvalidArgument(f"a block index is outside {want.key} ({want.size} bytes)")
+                    raise errors.InvalidArgument(f"a block index is outside {info.key} ({info.size} bytes)")
                 jobs.extend(Job(number, source, want, blocks, index) for index in want.blocks)
                 number += 1
                 if len(jobs) > MAX_BLOCKS_PER_REQUEST:
@@ -149,7 +143,7 @@ class Fetcher:
                 reply.failures.append(Failure(exc.code, str(exc), job.number))
                 return
             except Exception as exc:  # one block's bug or I/O error fails that read, not its neighbours
-                log.exception("block %d of %s", job.index, job.want.key)
+                log.exception("block %d of %s", job.index, job.want.info.key)
                 reply.failures.append(Failure(errors.SourceError.code, f"agent: {exc}", job.number))
                 return
             reply.fetched += got
@@ -178,14 +172,14 @@ class Fetcher:
                 status = "uncached"
             return status, 0
         length = job.blocks.length(job.index)
-        if not self.manager.can_hold(length if not job.verified_whole else job.want.size):
+        if not self.manager.can_hold(length if not job.verified_whole else job.want.info.size):
             self.metrics.count("uncached")
             return "uncached", 0
         future: asyncio.Future[Status] = asyncio.get_running_loop().create_future()
         self.inflight[flight] = future
         try:
             if job.verified_whole:
-                result, fetched = await self._whole(job), job.want.size
+                result, fetched = await self._whole(job), job.want.info.size
             else:
                 result, fetched = await self._one(job), length
             future.set_result(result)
@@ -204,7 +198,7 @@ class Fetcher:
                 data = await source.read(job, start, end)
                 if data is not None:
                     return data
-        raise errors.SourceError(f"{job.want.key}: no source had bytes [{start}, {end})")
+        raise errors.SourceError(f"{job.want.info.key}: no source had bytes [{start}, {end})")
 
     async def _one(self, job: Job) -> Status:
         size = job.blocks.block_size
@@ -215,7 +209,7 @@ class Fetcher:
     async def _whole(self, job: Job) -> Status:
         """Fetch the object whole (the source checks it against its content hash), then publish
         every block of it not yet present."""
-        data = await self._read(job, 0, job.want.size)
+        data = await self._read(job, 0, job.want.info.size)
         size = job.blocks.block_size
         status: Status = "ok"
         for index in range(job.blocks.count):
@@ -243,7 +237,7 @@ class Fetcher:
                 status, _ = await self.ensure(job)
             except Exception as exc:  # a hint that failed: the demand read will fetch or report
                 self.metrics.count("prefetch_errors")
-                log.debug("prefetch of block %d of %s failed: %s", job.index, job.want.key, exc)
+                log.debug("prefetch of block %d of %s failed: %s", job.index, job.want.info.key, exc)
                 return
             if status == "ok":
                 self.sessions.pin(session, job.block.name)

@@ -357,10 +357,7 @@ class Client:
             group, members = groups[key]
             members.append(handle)
             group.objects.append(
-                ObjectWant(
-                    info.key, info.size, info.mtime, info.etag, info.content_hash,
-                    not mount.immutable, handle.blocks.block_size, blocks, repair,
-                )
+                ObjectWant(info, not mount.immutable, handle.blocks.block_size, blocks, repair)
             )
         return [group for group, _ in groups.values()], [h for _, members in groups.values() for h in members]
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from gpufeed.sources.base import ObjectInfo
+
 
 class SourceSpec(msgspec.Struct, frozen=True):
     """What rebuilds a store in the agent: the mount's URL and source options (no credentials)."""
@@ -28,13 +30,10 @@ class Credentials(msgspec.Struct, frozen=True):
 
 
 class ObjectWant(msgspec.Struct):
-    """One object at one version, and which of its blocks a request is about."""
+    """One object at one version (the manifest's record of it), and which of its blocks a
+    request is about."""
 
-    key: str
-    size: int
-    mtime: float
-    etag: str | None
-    content_hash: str | None
+    info: ObjectInfo
     check: bool
     """Whether fetches pin the version at the store (If-Match…); false on immutable mounts."""
     block_size: int

@@ -1,0 +1,139 @@
+"""The agent's parts without a socket: the fetcher resolves blocks through disk and the store,
+once per block however many want it, and the manager publishes and evicts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from gpufeed.agent.fetcher import Fetcher, Job
+from gpufeed.agent.manager import AgentConfig, CacheManager
+from gpufeed.agent.metrics import Metrics
+from gpufeed.agent.sessions import Sessions
+from gpufeed.blocks import CorruptBlock, object_blocks
+from gpufeed.cache import blockfile
+from gpufeed.cache.layout import BlockRef
+from gpufeed.cache.openfiles import OpenBlocks
+from gpufeed.config import Settings
+from gpufeed.errors import InvalidArgument
+from gpufeed.rpc.messages import Group, ObjectWant, SourceSpec
+from gpufeed.sources.base import ObjectInfo
+
+
+class CountingStore:
+    """The store end of the chain, counting what it is asked for."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.reads: list[tuple[int, int]] = []
+
+    async def read(self, job: Job, start: int, end: int) -> memoryview:
+        self.reads.append((start, end))
+        await asyncio.sleep(0.01)  # let every other wanter arrive while this read is in flight
+        return memoryview(self.data[start:end])
+
+
+def parts(tmp_path: Path) -> tuple[Fetcher, CacheManager, Metrics]:
+    config = AgentConfig((tmp_path / "cache",), 1 << 30, 0.0, None)
+    metrics = Metrics()
+    manager = CacheManager(config, metrics)
+    manager.scan()
+    sessions = Sessions(manager, metrics)
+    fetcher = Fetcher(Settings.from_env(), manager, sessions, metrics)
+    manager.protected = lambda: frozenset(fetcher.inflight).union(sessions.pinned)
+    return fetcher, manager, metrics
+
+
+def group(root: Path, info: ObjectInfo, blocks: list[int], block_size: int = 4096) -> Group:
+    return Group(SourceSpec(f"file://{root}", {}), [ObjectWant(info, True, block_size, blocks)])
+
+
+def test_one_store_read_per_block_however_many_want_it(tmp_path: Path) -> None:
+    data = os.urandom(10_000)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "obj").write_bytes(data)
+    info = ObjectInfo("obj", len(data), 1.0, "v1")
+    fetcher, manager, _ = parts(tmp_path)
+    store = CountingStore(data)
+    fetcher.chain = [store]
+
+    async def run() -> None:
+        fetcher.start()
+        replies = await asyncio.gather(*(fetcher.fetch([group(tmp_path / "src", info, [0, 1, 2])]) for _ in range(8)))
+        assert all(not r.failures and not r.uncached for r in replies)
+        assert sum(r.fetched for r in replies) == len(data), "the bytes are counted once, for whoever fetched them"
+
+    asyncio.run(run())
+    assert sorted(store.reads) == [(0, 4096), (4096, 8192), (8192, 10_000)]
+    blocks = object_blocks(f"file://{tmp_path / 'src'}", {}, info, 4096, True)
+    ref = BlockRef.of(manager.config.dirs, blocks, True, OpenBlocks(Path("/nonexistent"), 0))
+    assert b"".join(bytes(blockfile.read(ref, i, 0, blocks.length(i))) for i in range(3)) == data
+
+
+def test_an_object_with_a_content_hash_is_fetched_whole_once(tmp_path: Path) -> None:
+    data = os.urandom(10_000)
+    info = ObjectInfo("obj", len(data), 1.0, "v1", "sha256:" + "0" * 64)
+    fetcher, manager, _ = parts(tmp_path)
+    store = CountingStore(data)
+    fetcher.chain = [store]
+
+    async def run() -> None:
+        fetcher.start()
+        replies = await asyncio.gather(*(fetcher.fetch([group(tmp_path, info, [i])]) for i in (2, 0, 1, 2)))
+        assert all(not r.failures for r in replies)
+
+    asyncio.run(run())
+    assert store.reads == [(0, len(data))], "one whole read, checked by the source, then every block published"
+    blocks = object_blocks(f"file://{tmp_path}", {}, info, 4096, True)
+    assert all(manager.present(blocks.block(i)) for i in range(3))
+
+
+def test_a_repair_discards_the_damaged_block_and_fetches_it_again(tmp_path: Path) -> None:
+    data = os.urandom(5000)
+    info = ObjectInfo("obj", len(data), 1.0, "v1")
+    fetcher, manager, metrics = parts(tmp_path)
+    store = CountingStore(data)
+    fetcher.chain = [store]
+    blocks = object_blocks(f"file://{tmp_path}", {}, info, 4096, True)
+    ref = BlockRef.of(manager.config.dirs, blocks, True, OpenBlocks(Path("/nonexistent"), 0))
+
+    async def run(repair: list[int]) -> None:
+        fetcher.start()
+        want = ObjectWant(info, True, 4096, [0], repair)
+        reply = await fetcher.fetch([Group(SourceSpec(f"file://{tmp_path}", {}), [want])])
+        assert not reply.failures
+
+    asyncio.run(run([]))
+    path = manager.path(blocks.block(0))
+    path.write_bytes(path.read_bytes()[:-1] + b"x")
+    with pytest.raises(CorruptBlock):
+        blockfile.read(ref, 0, 0, 4096)
+    asyncio.run(run([0]))
+    assert bytes(blockfile.read(ref, 0, 0, 4096)) == data[:4096]
+    assert metrics.counts["repairs"] == 1 and len(store.reads) == 2
+
+
+def test_a_block_index_outside_the_object_is_refused(tmp_path: Path) -> None:
+    fetcher, _, _ = parts(tmp_path)
+    with pytest.raises(InvalidArgument, match="outside obj"):
+        fetcher.jobs([group(tmp_path, ObjectInfo("obj", 5000, 1.0, "v1"), [2])])
+
+
+def test_the_manager_evicts_to_its_quota(tmp_path: Path) -> None:
+    config = AgentConfig((tmp_path / "cache",), 20_000, 0.0, None)
+    metrics = Metrics()
+    manager = CacheManager(config, metrics)
+    manager.scan()
+    blocks = object_blocks("file:///src", {}, ObjectInfo("obj", 40_000, 1.0, "v1"), 4096, True)
+
+    async def publish_all() -> None:
+        for i in range(blocks.count):
+            assert await manager.publish(blocks.block(i), memoryview(os.urandom(blocks.length(i))))
+
+    asyncio.run(publish_all())
+    assert manager.policy.bytes <= 20_000 and metrics.counts["evictions"] > 0
+    kept = [i for i in range(blocks.count) if manager.present(blocks.block(i))]
+    assert kept and len(kept) < blocks.count
