@@ -236,7 +236,11 @@ class AgentClient:
     def hello(self) -> AgentInfo:
         """The agent's greeting on this client's first connection."""
         if self._hello is None:
-            self._socket(True)
+            try:
+                self._socket(True)
+            except OSError as exc:  # no agent could be reached or started (a read-only cache dir)
+                self._drop()
+                raise AgentUnavailable(f"agent for {self.primary}: {exc.strerror or exc}") from exc
         assert self._hello is not None
         return self._hello
 

@@ -43,7 +43,7 @@ def test_a_batch_is_read_with_one_call_in_its_order(tmp_path: Path) -> None:
 def test_bad_input_is_refused(tmp_path: Path) -> None:
     mount_files(tmp_path)
     (tmp_path / "empty").mkdir()
-    Namespace().add_mount("/empty", f"file://{tmp_path / 'empty'}")
+    Namespace().add_mount("/empty", f"file://{tmp_path / 'empty'}", allow_empty=True)
     with pytest.raises(InvalidArgument, match="no files"):
         FeedDataset("/empty")
     with pytest.raises(InvalidArgument, match="empty list"):

@@ -124,7 +124,7 @@ def test_two_process_ddp_job_reads_every_index_and_steps_in_lockstep(root: str, 
     jobs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.integrations.torch.ddp_job", str(tmp_path / "pg"), str(rank), str(out)],
-            cwd=Path(__file__).parents[2], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=Path(__file__).parents[3], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for rank, out in enumerate(outs)
     ]

@@ -106,7 +106,7 @@ def test_resume_after_a_worker_was_killed(data: FeedDataset[int], tmp_path: Path
     marker.touch()
     crash_at = order(crashing_job.SEED, 0)[21]  # inside batch 5
     job = [sys.executable, "-m", "tests.integrations.torch.crashing_job", str(checkpoint), str(marker), str(crash_at)]
-    died = subprocess.run(job, check=False, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
+    died = subprocess.run(job, check=False, cwd=Path(__file__).parents[3], capture_output=True, text=True, timeout=120)
     assert died.returncode != 0 and not marker.exists(), died.stderr  # the worker was killed and the job died
     saved = json.loads(checkpoint.read_text())
     seen = saved["seen"]
