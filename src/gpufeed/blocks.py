@@ -16,6 +16,7 @@ a 100 KB read verify 100 KB, not 4 MiB.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -114,6 +115,13 @@ def object_blocks(url: str, options: dict[str, str], info: ObjectInfo, block_siz
     mark = ("" if checked else "\0unchecked") + (f"\0{info.content_hash}" if info.content_hash else "")
     identity = f"{source_identity(url, options)}\0{info.key}\0{info.version}\0{block_size}{mark}"
     return ObjectBlocks(xxhash.xxh3_128_hexdigest(identity.encode()), info.size, block_size)
+
+
+@functools.lru_cache(maxsize=65536)
+def expected_header(oid: str, index: int, length: int) -> bytes:
+    """`BlockId(oid, index).fixed_header(length)`, remembered: every hit of a multi-chunk block
+    compares its header with it, and building it costs more than the lookup."""
+    return BlockId(oid, index).fixed_header(length)
 
 
 def encode(block: BlockId, data: memoryview | bytes) -> tuple[bytes, memoryview]:

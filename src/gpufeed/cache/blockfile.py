@@ -16,7 +16,7 @@ from pathlib import Path
 
 from xxhash import xxh3_64_intdigest
 
-from gpufeed.blocks import CHUNK, HEAD_SIZE, SMALL_HEAD, SUM, BlockId, CorruptBlock, encode, verify
+from gpufeed.blocks import CHUNK, HEAD_SIZE, SMALL_HEAD, SUM, BlockId, CorruptBlock, encode, expected_header, verify
 from gpufeed.cache.layout import BlockRef
 from gpufeed.cache.openfiles import Held, OpenBlocks
 
@@ -83,7 +83,7 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
         length = ref.block_size
     path = f"{ref.prefix}{index}"
     if length <= CHUNK and ref.verify:  # one chunk (every small object): two preads, no chunk arithmetic
-        return read_one_chunk(ref.files, path, length, BlockId(ref.oid, index).fixed_header(length))[start:end]
+        return read_one_chunk(ref.files, path, length, expected_header(ref.oid, index, length))[start:end]
     head = HEAD_SIZE + 8 * (-(-length // CHUNK) or 1)
     files = ref.files
     held = files.held.get(path)
@@ -111,7 +111,7 @@ def _read_mapped(held: Held, ref: BlockRef, index: int, head: int, length: int, 
     mapped = held.mapped
     if len(mapped) != head + length or held.map.size() != len(mapped):  # before touching it
         raise CorruptBlock("wrong size")
-    expected = BlockId(ref.oid, index).fixed_header(length)
+    expected = expected_header(ref.oid, index, length)
     if ref.verify:
         first = start // CHUNK
         lo, hi = first * CHUNK, min(length, -(-end // CHUNK) * CHUNK)
@@ -123,7 +123,7 @@ def _read_mapped(held: Held, ref: BlockRef, index: int, head: int, length: int, 
 
 def _read_unmapped(fd: int, ref: BlockRef, index: int, head: int, length: int, start: int, end: int) -> memoryview:
     if not ref.verify:  # trust the bytes, not their length or which block they are
-        if os.fstat(fd).st_size != head + length or os.pread(fd, HEAD_SIZE, 0) != BlockId(ref.oid, index).fixed_header(length):
+        if os.fstat(fd).st_size != head + length or os.pread(fd, HEAD_SIZE, 0) != expected_header(ref.oid, index, length):
             raise CorruptBlock("header does not match the block's identity or length")
         return memoryview(os.pread(fd, end - start, head + start))
     first = start // CHUNK
@@ -139,7 +139,7 @@ def _read_unmapped(fd: int, ref: BlockRef, index: int, head: int, length: int, s
         header, chunks = memoryview(os.pread(fd, head, 0)), _pread(fd, hi - lo, head + lo, scratch)
     if len(chunks) != hi - lo:
         raise CorruptBlock("truncated")
-    verify(header, BlockId(ref.oid, index).fixed_header(length), chunks, first)
+    verify(header, expected_header(ref.oid, index, length), chunks, first)
     wanted = chunks[start - lo : end - lo]
     return memoryview(bytes(wanted)) if scratch else wanted
 
