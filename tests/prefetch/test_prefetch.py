@@ -11,13 +11,14 @@ import pytest
 import gpufeed
 from gpufeed.namespace import Namespace
 from gpufeed.prefetch import Prefetcher, Read
+from gpufeed.rpc.messages import AgentInfo
 
 
-def agent_stats() -> dict:
+def agent_stats() -> AgentInfo:
     return gpufeed.client().agent.stats()
 
 
-def wait_for(condition, what: str, timeout: float = 20.0) -> dict:
+def wait_for(condition, what: str, timeout: float = 20.0) -> AgentInfo:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         stats = agent_stats()
@@ -51,6 +52,22 @@ def test_blocks_are_fetched_before_they_are_read(files: list[str]) -> None:
     assert client.source_bytes == 0, "no read had to fetch: every block was there"
     assert agent_stats().misses == 60
     prefetcher.close()
+
+
+def test_a_warm_pass_asks_the_agent_for_nothing(files: list[str]) -> None:
+    """Blocks already on disk are not asked for again: a warm epoch costs a stat per block in the
+    prefetch thread, not an agent round trip per block (nor a pin of what is already there)."""
+    client = gpufeed.client()
+    prefetcher = Prefetcher(client)
+    for path in prefetcher.ahead(files, Read):
+        client.read(path)
+    cold = wait_for(lambda s: s.prefetched + s.misses >= 60, "the cold pass")
+    for path in prefetcher.ahead(files, Read):
+        client.read(path)
+    prefetcher.close()  # joins the sender thread: every batch it was given has been handled
+    warm = agent_stats()
+    assert (warm.misses, warm.prefetched) == (cold.misses, cold.prefetched), "the warm pass sent the agent nothing"
+    assert prefetcher.errors == 0
 
 
 def test_the_window_is_bounded_in_bytes(files: list[str]) -> None:

@@ -228,11 +228,6 @@ class AgentClient:
             self._drop()
             raise AgentUnavailable(f"agent for {self.primary}: {exc}") from exc
 
-    @property
-    def connected(self) -> bool:
-        """Whether this thread holds a live connection (hit reports never start an agent)."""
-        return getattr(self._local, "sock", None) is not None and self._local.pid == os.getpid()
-
     def hello(self) -> AgentInfo:
         """The agent's greeting on this client's first connection."""
         if self._hello is None:
@@ -301,7 +296,7 @@ class HitReporter:
             del self.names[: len(batch)]  # names other threads appended meanwhile stay
             self._sent = time.monotonic()
             self.due = len(self.names) + HIT_CHECK_EVERY
-        if batch and self.agent.connected:
+        if batch:
             names = " ".join(batch)  # one string: cheap to encode
             try:
                 if wait:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing.util
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -80,7 +80,9 @@ class Client:
         self.direct_bytes = 0
         """Of those, the bytes this process read from sources itself, not through the agent."""
         self.hits = HitReporter(self.agent)
-        weakref.finalize(self, self.hits.flush)
+        # multiprocessing's finalizers run when a DataLoader worker exits (atexit does not run
+        # there), so the hits a worker served reach the agent's counts and its eviction
+        multiprocessing.util.Finalize(self, self.hits.flush, exitpriority=10)
         self._warned: set[str] = set()
         self._session = f"reads-{os.getpid()}-{id(self):x}"
         self._lock = threading.Lock()

@@ -94,3 +94,64 @@ def test_s3_mount_through_sampler_and_workers(bucket: Bucket) -> None:
     sampler = FeedSampler(data, seed=11)
     got = [int(i) for batch in FeedLoader(data, batch_size=4, sampler=sampler, num_workers=2) for i in batch]
     assert got == epoch_permutation(11, 0, 30).tolist()
+
+
+def test_the_transform_gets_the_bytes_the_read_returned_not_a_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm batch hands each small file's bytes object to the transform as the cache read made
+    it: the same object, no second copy."""
+    import gpufeed
+
+    data = FeedDataset(mount_files(tmp_path))
+    data.__getitems__(list(range(N)))  # cold: now every file is a cache hit
+    client = gpufeed.client()
+    returned: list[memoryview] = []
+    read_files = client.read_files
+
+    def recording(paths: list[str]) -> list[memoryview]:
+        views = read_files(paths)
+        returned.extend(views)
+        return views
+
+    monkeypatch.setattr(client, "read_files", recording)
+    seen: list[bytes] = []
+    data.transform = lambda sample: seen.append(sample) or decode(sample)
+    assert data.__getitems__([3, 1, 4]) == [3, 1, 4]
+    assert all(type(sample) is bytes for sample in seen)
+    assert all(sample is view.obj for sample, view in zip(seen, returned, strict=True)), "handed out without a copy"
+
+
+def test_labels_without_a_subclass(tmp_path: Path) -> None:
+    root = tmp_path / "imagefolder"
+    for name in ("dog", "cat", "bird"):
+        (root / name).mkdir(parents=True)
+        for i in range(3):
+            (root / name / f"{i}.jpg").write_bytes(f"{name}{i}".encode())
+    Namespace().add_mount("/img", f"file://{root}")
+    folders = FeedDataset("/img", target="folder")
+    assert folders.classes == ["bird", "cat", "dog"] and folders.class_to_idx == {"bird": 0, "cat": 1, "dog": 2}
+    pairs = dict(folders.__getitems__(list(range(len(folders)))))
+    assert pairs[b"cat2"] == 1 and pairs[b"dog0"] == 2 and folders[0] == (b"bird0", 0)
+    batches = DataLoader(folders, batch_size=4, num_workers=2, collate_fn=list)  # the labeller pickles to workers
+    assert sorted(label for batch in batches for _, label in batch) == [0] * 3 + [1] * 3 + [2] * 3
+    by_name = FeedDataset("/img", transform=len, target=lambda path: path.rsplit("/", 1)[1])
+    assert by_name[4] == (4, "1.jpg")
+    with pytest.raises(InvalidArgument, match="target="):
+        FeedDataset("/img", target="parent")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_hits_served_in_dataloader_workers_reach_the_agents_counts(tmp_path: Path, persistent: bool) -> None:
+    """Workers exit without atexit handlers; their hits are reported all the same, so `cache
+    stats` and eviction see every hit."""
+    import gpufeed
+
+    data = FeedDataset(mount_files(tmp_path), transform=decode)
+    data.__getitems__(list(range(N)))  # cold, in this process
+    before = gpufeed.client().agent.stats().hits
+    loader = DataLoader(data, batch_size=8, num_workers=2, collate_fn=list, persistent_workers=persistent)
+    assert sorted(i for batch in loader for i in batch) == list(range(N))
+    del loader  # persistent workers exit when their loader goes
+    import gc
+
+    gc.collect()
+    assert gpufeed.client().agent.stats().hits - before == N

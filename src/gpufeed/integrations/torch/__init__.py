@@ -15,8 +15,18 @@ from __future__ import annotations
 
 from gpufeed.integrations.torch.dataset import FeedDataset, FeedIterableDataset
 from gpufeed.integrations.torch.distributed import rank_and_world
+from gpufeed.integrations.torch.labels import FolderLabels
 from gpufeed.integrations.torch.loader import FeedLoader
 from gpufeed.integrations.torch.order import Shard, epoch_permutation
 from gpufeed.integrations.torch.sampler import FeedSampler
 
-__all__ = ["FeedDataset", "FeedIterableDataset", "FeedLoader", "FeedSampler", "Shard", "epoch_permutation", "rank_and_world"]
+__all__ = [
+    "FeedDataset",
+    "FeedIterableDataset",
+    "FeedLoader",
+    "FeedSampler",
+    "FolderLabels",
+    "Shard",
+    "epoch_permutation",
+    "rank_and_world",
+]

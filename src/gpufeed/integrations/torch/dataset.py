@@ -5,14 +5,17 @@ an open+pread and send misses to the node agent."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
 import torch.utils.data
 
 import gpufeed
+from gpufeed.cache.blockfile import as_bytes
+from gpufeed.errors import InvalidArgument
 from gpufeed.integrations.torch.distributed import rank_and_world
 from gpufeed.integrations.torch.index import FileIndex, PathTable
+from gpufeed.integrations.torch.labels import FolderLabels
 from gpufeed.integrations.torch.order import Shard, non_negative_int, shard_order
 from gpufeed.integrations.torch.prefetching import ProcessPrefetcher
 from gpufeed.prefetch import Read
@@ -21,12 +24,37 @@ T = TypeVar("T")
 
 
 class FeedDataset(torch.utils.data.Dataset, Generic[T]):
-    """Map-style: item i is the bytes of file i, or `transform(bytes)`. The files are listed once,
-    from the manifest, when the dataset is built; `paths` and `sizes` index them."""
+    """Map-style: item i is the bytes of file i, or `transform(bytes)`; with `target`, the pair
+    (item, `target(path)`). `target="folder"` labels each file by its directory, as torchvision's
+    ImageFolder does (`classes`, `class_to_idx`). The files are listed once, from the manifest,
+    when the dataset is built; `paths` and `sizes` index them.
 
-    def __init__(self, paths_or_dir: str | Sequence[str], transform: Callable[[bytes], T] | None = None) -> None:
+    A sample's bytes are handed to `transform` as the read returned them: a small file's bytes
+    object itself, never a copy of it."""
+
+    def __init__(
+        self,
+        paths_or_dir: str | Sequence[str],
+        transform: Callable[[bytes], T] | None = None,
+        *,
+        target: Callable[[str], Any] | Literal["folder"] | None = None,
+    ) -> None:
         self.index = FileIndex.build(paths_or_dir, gpufeed.client())
         self.transform = transform
+        if target == "folder":
+            target = FolderLabels(self.index.paths)
+        elif target is not None and not callable(target):
+            raise InvalidArgument(f"target={target!r}: expected a function of the path, or 'folder'")
+        self.target: Callable[[str], Any] | None = target
+
+    @property
+    def classes(self) -> list[str]:
+        """With `target="folder"`: the class names, in label order."""
+        return self.target.classes if isinstance(self.target, FolderLabels) else []
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return self.target.class_to_idx if isinstance(self.target, FolderLabels) else {}
 
     @property
     def paths(self) -> PathTable:
@@ -47,17 +75,22 @@ class FeedDataset(torch.utils.data.Dataset, Generic[T]):
         """The bytes of file `i`, at the version the manifest lists."""
         return gpufeed.client().read(self.paths[i])
 
-    def __getitem__(self, i: int) -> bytes | T:
-        data = self.read(i)
-        return data if self.transform is None else self.transform(data)
+    def __getitem__(self, i: int) -> Any:
+        path = self.paths[i]
+        data = gpufeed.client().read(path)
+        item = data if self.transform is None else self.transform(data)
+        return item if self.target is None else (item, self.target(path))
 
-    def __getitems__(self, indices: list[int]) -> list[bytes | T]:
+    def __getitems__(self, indices: list[int]) -> list[Any]:
         """A DataLoader worker's whole batch (PyTorch calls this instead of one `__getitem__`
         per index): its cache misses are fetched together, not one round trip per sample."""
-        data = [bytes(piece) for piece in gpufeed.client().read_files([self.paths[i] for i in indices])]
-        if self.transform is None:
-            return list[bytes | T](data)
-        return [self.transform(item) for item in data]
+        paths = [self.paths[i] for i in indices]
+        data = [as_bytes(piece) for piece in gpufeed.client().read_files(paths)]
+        items: list[Any] = data if self.transform is None else [self.transform(item) for item in data]
+        if self.target is None:
+            return items
+        target = self.target
+        return [(item, target(path)) for item, path in zip(items, paths, strict=True)]
 
 
 class FeedIterableDataset(torch.utils.data.IterableDataset, Generic[T]):
@@ -72,19 +105,21 @@ class FeedIterableDataset(torch.utils.data.IterableDataset, Generic[T]):
     Rank and world size are those of the process that starts the iteration: read when it
     begins, or, in a worker started by spawn or forkserver (where torch.distributed is not
     initialised), taken along when the DataLoader sends the dataset to its workers. With
-    `prefetch`, each reader's upcoming files are fetched ahead."""
+    `prefetch`, each reader's upcoming files are fetched ahead. `transform` and `target` are
+    FeedDataset's."""
 
     def __init__(
         self,
         paths_or_dir: str | Sequence[str],
         transform: Callable[[bytes], T] | None = None,
         *,
+        target: Callable[[str], Any] | Literal["folder"] | None = None,
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
         prefetch: bool = True,
     ) -> None:
-        self.files: FeedDataset[T] = FeedDataset(paths_or_dir, transform)
+        self.files: FeedDataset[T] = FeedDataset(paths_or_dir, transform, target=target)
         self.shuffle = bool(shuffle)
         self.seed = non_negative_int(seed, "seed")
         self.drop_last = bool(drop_last)
