@@ -181,3 +181,16 @@ def test_threads_read_right_bytes_while_the_cache_is_cleared_under_them(files: d
     assert failures == []
     stats = agent.stats()
     assert stats.evictions >= len(files) and stats.repairs == 0, "no file was misread as damaged"
+
+
+def test_a_file_is_held_from_its_second_read(files: dict[str, bytes]) -> None:
+    """Mapping a file costs more than one pread: a process that reads each cached file once (a
+    DataLoader worker that lives one epoch) holds nothing; a file read again is held."""
+    other = subprocess.run([sys.executable, "-c", REFETCH], capture_output=True, text=True)
+    assert other.returncode == 0, other.stderr  # every file cached, by another process
+    before = len(block_fds())
+    client = Client()
+    read_all(client, files)
+    assert len(block_fds()) == before, "read once: nothing held"
+    read_all(client, files)
+    assert len(block_fds()) - before == len(files)

@@ -126,6 +126,7 @@ def test_a_held_file_found_damaged_gives_way_to_its_repair(tmp_path: Path, size:
     data = os.urandom(size)
     r = BlockRef.of((tmp_path,), identity(size, 4 << 20), True, files)
     blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
+    assert blockfile.read(r, 0, 0, size) == data and r.path(0) not in files.held, "held from its second read"
     assert blockfile.read(r, 0, 0, size) == data and r.path(0) in files.held
     flip(r.path(0), SMALL_HEAD + 5)  # the held file is damaged in place...
     blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)  # ...and the agent's repair renamed a new one over it

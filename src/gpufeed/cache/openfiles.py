@@ -36,6 +36,8 @@ from pathlib import Path
 HELD_BYTES = 1 << 30
 """Most bytes of block files one process holds per cache: what a process that stopped reading
 can keep of deleted blocks' disk space."""
+SEEN_FILES = 1 << 16
+"""Files read once that a process remembers, to hold them when read again."""
 DELETIONS = "deletions"
 """File in the primary cache dir: the number of times the agent deleted block files, 8 bytes."""
 
@@ -130,8 +132,13 @@ def capacity_for(wanted: int) -> int:
 
 class OpenBlocks:
     """Up to `capacity` open block files of one cache and at most HELD_BYTES of them, the first
-    ones read. Nothing is held without the agent's deletion count: a held file could keep
+    ones read twice. Nothing is held without the agent's deletion count: a held file could keep
     deleted blocks' space.
+
+    A file is held from its second read on (a read that missed, before the agent fetched the
+    block, counts as the first): mapping costs more than one pread, so it pays only for a file
+    read again by the same process. A DataLoader worker that reads each cached sample once an
+    epoch and exits (no persistent workers) maps nothing.
 
     A hit looks its file up in `held` itself and calls `open` on a miss; the reader calls
     `check` every few dozen hits. So a hit makes no extra call and no extra system call."""
@@ -142,6 +149,8 @@ class OpenBlocks:
         self.held: dict[str, Held] = {}
         """Path → open file. Keep a looked-up `Held` referenced while reading from it."""
         self._bytes = 0
+        self._seen: set[str] = set()
+        """Files read once and not held: held when read again."""
         self._full = False
         """HELD_BYTES reached: hold no more until letting go."""
         self._lock = threading.Lock()
@@ -154,6 +163,11 @@ class OpenBlocks:
         dataset), swapping them would map, fault in and unmap a file per read, dearer than the
         pread a file not held gets."""
         if self._full or len(self.held) >= self.capacity:
+            return None
+        if path not in self._seen:
+            if len(self._seen) >= SEEN_FILES:
+                self._seen.clear()
+            self._seen.add(path)
             return None
         self.check()
         if len(self.held) >= self.capacity:
@@ -213,7 +227,7 @@ class OpenBlocks:
         still theirs, and start unlocked."""
         self._lock = threading.Lock()
         self._checking = threading.Lock()
-        self.held, self._bytes, self._full = {}, 0, False
+        self.held, self._bytes, self._full, self._seen = {}, 0, False, set()
 
 
 _by_cache: weakref.WeakValueDictionary[Path, OpenBlocks] = weakref.WeakValueDictionary()
