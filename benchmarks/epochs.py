@@ -1,0 +1,295 @@
+"""Epoch by epoch, a DataLoader training loop reading JPEGs: local disk against reading the store
+directly and against gpufeed over HTTP (nginx) and S3 (moto), every store 20 ms away.
+
+    python benchmarks/epochs.py [--files 3000] [--size 113000] [--workers 2] [--batch 32]
+                                [--epochs 3] [--latency-ms 20] [--busy 0.9] [--persistent]
+
+The workload is issue 12's: --files JPEGs of about --size bytes, decoded with PIL in the
+DataLoader's workers (batch --batch, --workers workers, shuffled by a seeded sampler), and an
+accelerator step per batch (a sleep: the accelerator uses no host CPU) calibrated so the same
+loop on local disk keeps it --busy of the time. Every store is behind the project's latency
+shaper (first byte --latency-ms after each request). Loops:
+
+- local: the files read from local disk (page cache warm after the first epoch).
+- direct http: each worker GETs its samples one by one from nginx, as a plain dataset over
+  object storage does (the loader's own concurrency: workers x one request).
+- gpufeed http / gpufeed s3: FeedDataset + FeedSampler over the mount, cache cleared first, so
+  epoch 1 is cold and the later ones warm; and epoch 1 once more with the sampler's prefetch off.
+
+Printed per loop and epoch: samples/s, accelerator busy %, the ratio of samples/s to local
+disk's (the mean of its epochs in this run), the agent's CPU seconds (from /proc), and the
+bytes fetched from the store against the dataset's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import random
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import scratch_home
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+
+import gpufeed
+from gpufeed.bench.children import free_port, helper
+from gpufeed.bench.server import serving
+from gpufeed.bench.shaper import shaping
+from gpufeed.integrations.torch import FeedDataset, FeedLoader, FeedSampler
+from gpufeed.namespace import Namespace
+
+BUCKET = "epochs"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def decode(data: bytes) -> torch.Tensor:
+    """What a vision loader does per sample: decode the JPEG to a uint8 tensor."""
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+
+
+def collate(samples: list[torch.Tensor]) -> int:
+    """Batches stay in the workers' memory; the loop needs their count, not a stacked tensor."""
+    return len(samples)
+
+
+def make_jpegs(root: Path, files: int, size: int) -> int:
+    """`files` random-noise JPEGs of about `size` bytes (noise compresses to about 0.9 byte a
+    pixel at quality 90); returns their total bytes."""
+    side = int((size / 0.92) ** 0.5)
+    root.mkdir(parents=True)
+
+    def one(i: int) -> int:
+        rng = random.Random(i)
+        out = io.BytesIO()
+        Image.frombytes("RGB", (side, side), rng.randbytes(side * side * 3)).save(out, "JPEG", quality=90)
+        (root / f"{i:06d}.jpg").write_bytes(out.getvalue())
+        return out.tell()
+
+    with ThreadPoolExecutor(4) as pool:
+        return sum(pool.map(one, range(files)))
+
+
+class LocalFiles(Dataset):
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return decode(self.paths[i].read_bytes())
+
+
+class DirectHttp(Dataset):
+    """One GET per sample, straight from the store, in the worker that wants it."""
+
+    def __init__(self, url: str, names: list[str]) -> None:
+        self.url = url
+        self.names = names
+        self._store: Any = None
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import obstore
+        from obstore.store import HTTPStore
+
+        if self._store is None or self._pid != os.getpid():
+            self._store, self._pid = HTTPStore(self.url, client_options={"allow_http": True}), os.getpid()
+        return decode(obstore.get(self._store, self.names[i]).bytes().to_bytes())
+
+
+@dataclass
+class Epoch:
+    samples_s: float
+    busy: float
+    agent_cpu_s: float = 0.0
+    fetched: int = 0
+
+
+@dataclass
+class Loop:
+    name: str
+    epochs: list[Epoch] = field(default_factory=list)
+
+
+def agent_cpu_s() -> float:
+    """The node agent's user+system CPU seconds so far (0 when none runs)."""
+    try:
+        pid = gpufeed.client().agent.stats(start=False).pid
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except Exception:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def agent_fetched() -> int:
+    try:
+        return gpufeed.client().agent.stats(start=False).bytes_fetched
+    except Exception:
+        return 0
+
+
+def run_epoch(loader: Iterator[int] | DataLoader, step_s: float) -> Epoch:
+    """One pass: the accelerator's step after each batch; busy = time in steps / wall time,
+    the first batch included (a cold start is part of the epoch a user waits for)."""
+    cpu, fetched = agent_cpu_s(), agent_fetched()
+    samples = steps = 0
+    started = time.perf_counter()
+    for count in loader:
+        samples += count
+        steps += 1
+        time.sleep(step_s)
+    wall = time.perf_counter() - started
+    return Epoch(samples / wall, steps * step_s / wall, agent_cpu_s() - cpu, agent_fetched() - fetched)
+
+
+def calibrate(measure: Callable[[float], Epoch], step_s: float, busy: float) -> float:
+    """The step that keeps the accelerator `busy` on local disk. Busy = step / batch time; while
+    the loop waits for data the batch time is the data's, so scaling the step by busy / measured
+    lands on it (the workers run beside the step, so the data-only rate is only a first guess)."""
+    for _ in range(3):
+        measured = measure(step_s)
+        if abs(measured.busy - busy) < 0.02:
+            break
+        step_s *= busy / measured.busy  # data-bound: the batch time stays, so this lands on `busy`
+    return step_s
+
+
+def run_loop(name: str, epochs: int, make_loader: Callable[[int], Any], step_s: float, report: Callable[[Loop], None]) -> Loop:
+    loop = Loop(name)
+    for epoch in range(epochs):
+        loop.epochs.append(run_epoch(make_loader(epoch), step_s))
+        print(f"  {name}: epoch {epoch + 1} {loop.epochs[-1].samples_s:,.0f} samples/s", file=sys.stderr, flush=True)
+    report(loop)
+    return loop
+
+
+def feed_loader(dataset: FeedDataset, args: argparse.Namespace, prefetch: bool = True) -> Callable[[int], FeedLoader]:
+    sampler = FeedSampler(dataset, shuffle=True, seed=0, prefetch=prefetch)
+    loader = FeedLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers,
+                        collate_fn=collate, persistent_workers=args.persistent)
+
+    def for_epoch(epoch: int) -> FeedLoader:
+        sampler.set_epoch(epoch)
+        return loader
+
+    return for_epoch
+
+
+@contextmanager
+def s3_store(work: Path, root: Path) -> Iterator[str]:
+    """moto's S3 server holding the JPEGs; yields its endpoint."""
+    import boto3
+
+    moto = shutil.which("moto_server", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    if moto is None:
+        sys.exit("moto_server is not installed: pip install -e '.[test]'")
+    port = free_port()
+    with helper([moto, "-H", "127.0.0.1", "-p", str(port)], "moto_server", work / "moto.log", port=port):
+        endpoint = f"http://127.0.0.1:{port}"
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        s3.create_bucket(Bucket=BUCKET)
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda p: s3.put_object(Bucket=BUCKET, Key=f"train/{p.name}", Body=p.read_bytes()),
+                          sorted(root.iterdir())))
+        yield endpoint
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", type=int, default=3000)
+    parser.add_argument("--size", type=int, default=113_000, help="bytes per JPEG, about")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--latency-ms", type=float, default=20.0)
+    parser.add_argument("--busy", type=float, default=0.9, help="accelerator busy share the step is calibrated to on local disk")
+    parser.add_argument("--persistent", action="store_true", help="persistent DataLoader workers")
+    args = parser.parse_args()
+    os.environ.update(CREDENTIALS)
+    torch.set_num_threads(1)
+
+    with scratch_home("gpufeed-epochs-") as work:
+        root = work / "jpegs"
+        total = make_jpegs(root, args.files, args.size)
+        paths = sorted(root.iterdir())
+        names = [p.name for p in paths]
+
+        def local_loader(epoch: int) -> DataLoader:
+            order = RandomSampler(paths, generator=torch.Generator().manual_seed(epoch))
+            return DataLoader(LocalFiles(paths), batch_size=args.batch, sampler=order, num_workers=args.workers,
+                              collate_fn=collate, persistent_workers=args.persistent)
+
+        run_epoch(local_loader(0), 0.0)  # warms the page cache
+        data_only = run_epoch(local_loader(0), 0.0)
+        step_s = calibrate(lambda step: run_epoch(local_loader(0), step), args.busy * args.batch / data_only.samples_s, args.busy)
+        print(f"{args.files} JPEGs, {total / 2**20:,.0f} MiB ({total / args.files / 1000:,.0f} KB each); batch {args.batch}, "
+              f"{args.workers} workers{' (persistent)' if args.persistent else ''}; stores {args.latency_ms:g} ms away; "
+              f"accelerator step {step_s * 1000:.0f} ms (local disk alone feeds {data_only.samples_s:,.0f} samples/s)")
+        results: list[Loop] = []
+        local_rate = 0.0
+
+        def report(loop: Loop) -> None:
+            results.append(loop)
+            base = local_rate or statistics.mean(e.samples_s for e in loop.epochs)
+            for n, epoch in enumerate(loop.epochs, 1):
+                fetched = f"{epoch.fetched / total:5.2f}x data" if loop.name.startswith("gpufeed") else ""
+                cpu = f"{epoch.agent_cpu_s:5.2f} s" if loop.name.startswith("gpufeed") else ""
+                print(f"{loop.name:<28} {n:>5} {epoch.samples_s:>10,.0f} {epoch.busy:>6.1%} {epoch.samples_s / base:>8.2f}x "
+                      f"{cpu:>9} {fetched:>11}", flush=True)
+
+        print(f"{'loop':<28} {'epoch':>5} {'samples/s':>10} {'busy':>6} {'vs local':>9} {'agent CPU':>9} {'fetched':>11}")
+        local = run_loop("local disk", args.epochs, local_loader, step_s, report)
+        local_rate = statistics.mean(e.samples_s for e in local.epochs)
+
+        with serving(root.parent, work / "nginx") as http_url:
+            port = int(http_url.rsplit(":", 1)[1])
+            with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper-http.log") as shaped:
+                url = f"http://127.0.0.1:{shaped}/{root.name}"
+
+                def direct_loader(epoch: int) -> DataLoader:
+                    order = RandomSampler(names, generator=torch.Generator().manual_seed(epoch))
+                    return DataLoader(DirectHttp(url, names), batch_size=args.batch, sampler=order,
+                                      num_workers=args.workers, collate_fn=collate, persistent_workers=args.persistent)
+
+                run_loop("direct http", 1, direct_loader, step_s, report)
+                Namespace().add_mount("/http", url)
+                http = FeedDataset("/http", transform=decode)
+                run_loop("gpufeed http", args.epochs, feed_loader(http, args), step_s, report)
+                gpufeed.client().agent.clear()
+                run_loop("gpufeed http, prefetch off", 1, feed_loader(http, args, prefetch=False), step_s, report)
+
+        with s3_store(work, root) as endpoint:
+            port = int(endpoint.rsplit(":", 1)[1])
+            with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper-s3.log") as shaped:
+                gpufeed.client().agent.clear()
+                Namespace().add_mount("/s3", f"s3://{BUCKET}/train", {"endpoint": f"http://127.0.0.1:{shaped}"})
+                s3 = FeedDataset("/s3", transform=decode)
+                run_loop("gpufeed s3", args.epochs, feed_loader(s3, args), step_s, report)
+
+    summary = {loop.name: [e.samples_s / local_rate for e in loop.epochs] for loop in results}
+    print("samples/s as a fraction of local disk's: " + "; ".join(
+        f"{name} " + " / ".join(f"{r:.2f}" for r in ratios) for name, ratios in summary.items()))
+    if "gpufeed http" in summary:
+        cold = next(loop for loop in results if loop.name == "gpufeed http").epochs[0]
+        print(f"agent CPU per cold object over HTTP: {cold.agent_cpu_s / args.files * 1000:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
