@@ -11,6 +11,7 @@ import pytest
 from gpufeed import verify as verifying
 from gpufeed.client import Client
 from gpufeed.errors import MountConflict
+from tests.conftest import HttpServer
 
 
 def test_large_files_are_hashed_in_chunks(dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,3 +34,21 @@ def test_a_refresh_meanwhile_records_nothing(dataset: Path) -> None:
         verifying.verify(client, target)
     assert list(client.namespace.engine.walk(mount.generation, "")) == [], "nothing left in the old generation"
     assert all(item.content_hash is None for item in client.walk("/data"))
+
+
+def test_verify_records_on_its_first_run_over_a_listing_without_versions(nginx: HttpServer, tmp_path: Path) -> None:
+    """A `KEY SIZE` listing: the read pins each file's version, and its hash is recorded for
+    that version on the first run."""
+    import uuid
+
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    (nginx.root / name).mkdir()
+    for i in range(3):
+        (nginx.root / name / f"{i}.bin").write_bytes(bytes([i]) * 5000)
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{i}.bin 5000\n" for i in range(3)))
+    client = Client()
+    client.namespace.add_mount("/h", f"{nginx.url}/{name}", {"list": str(listing)})
+    done = verifying.verify(client, verifying.listed(client, "/h"))
+    assert (done.files, done.recorded, done.mismatches) == (3, 3, [])
+    assert all(item.content_hash is not None for item in client.walk("/h"))

@@ -310,3 +310,20 @@ def test_a_delete_before_the_first_open_is_a_clear_error(http_list: Store) -> No
     http_list.replace(None)
     with pytest.raises(ObjectMissing, match=rf"{PATH}: deleted at the source .*{REFRESH}"):
         gpufeed.read(PATH)
+
+
+def test_max_age_keeps_the_hash_of_an_unchanged_object_listed_from_an_index(nginx: HttpServer, tmp_path: Path) -> None:
+    """An index listing records a modification time, a HEAD an ETag too: the same object, so
+    after --max-age its content hash and its blocks stay."""
+    import hashlib
+    import uuid
+
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    (nginx.root / name).mkdir()
+    (nginx.root / name / "a.bin").write_bytes(b"z" * 5000)
+    sums = tmp_path / "SUMS"
+    sums.write_text(f"{hashlib.sha256(b'z' * 5000).hexdigest()}  a.bin\n")
+    client = Client()
+    client.namespace.add_mount("/h", f"{nginx.url}/{name}", max_age=0.0, checksums=str(sums))
+    assert client.read("/h/a.bin") == b"z" * 5000
+    assert client.stat("/h/a.bin").content_hash is not None

@@ -33,6 +33,10 @@ SMALL_HEAD = HEAD_SIZE + SUM.size
 """Header length of a block of one chunk."""
 MIN_BLOCK_SIZE = 4096
 MAX_BLOCK_SIZE = 1 << 30
+WHOLE_OBJECT_MAX = 1 << 30
+"""Largest object with a content hash that is only ever read whole, so its bytes are checked
+against the hash before any of them is cached or returned; a larger one is checked by length
+and version only (README, "What gpufeed checks")."""
 
 
 class CorruptBlock(Exception):

@@ -33,7 +33,7 @@ from gpufeed.meta.base import Entry
 from gpufeed.meta.checksums import parse_checksums
 from gpufeed.meta.manifest import ManifestStats, write_manifest
 from gpufeed.sources import Source, open_source
-from gpufeed.sources.base import ObjectInfo
+from gpufeed.sources.base import ObjectInfo, same_version
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +110,6 @@ class CachePolicy:
 
 def source_options(mount: Mount) -> dict[str, str]:
     return {k: v for k, v in mount.options.items() if k not in CACHE_OPTIONS}
-
-
-def source_identity(url: str, options: dict[str, str]) -> str:
-    """What names a source in block keys: its URL and, for S3-compatible stores, the endpoint."""
-    return f"{url}|{options.get('endpoint', '')}"
 
 
 MOUNTS_TTL_S = 1.0
@@ -384,10 +379,10 @@ class Namespace:
             current = source.head(where.key)
         except ObjectMissing as exc:
             raise ObjectMissing(_since_listed(path, "deleted", mount, str(exc))) from exc
-        if current.version == info.version:
-            return where, source, info
-        if unpinned and current.size == info.size:  # the listed object, now with its version (and any hash kept)
-            pinned = entry._replace(mtime=current.mtime, etag=current.etag)
+        if same_version(current, info):
+            if not unpinned:
+                return where, source, info  # keeps its content hash
+            pinned = entry._replace(mtime=current.mtime, etag=current.etag)  # the listed object, now with its version
         elif stale:  # changed since listing: this open reads the new version
             pinned = Entry(entry.parent, entry.name, False, current.size, current.mtime, current.etag)
         else:

@@ -1,10 +1,11 @@
 """Hash every file under a namespace path once, through the read path, and record or compare.
 
-A file whose manifest entry has no content hash gets its sha256 recorded in the mount's current
-manifest generation; one that has a hash is hashed with that hash's algorithm and compared. The
-bytes come from the client (cache hits, or the agent), never from a source opened here, so what
-is hashed is what a training job reads. Small files are read in batches (`read_files`), large
-ones in chunks through one open file, so one version is hashed and memory stays bounded.
+A file whose manifest entry has no content hash gets the sha256 of what the store holds
+recorded in the mount's current manifest generation: its bytes are read from the store
+(`Client.read_uncached`), never from the cache, where a byte flipped in transit before any hash
+was known may sit and would otherwise be recorded as the truth. A file that has a hash is read
+through the cache, with that hash's algorithm, and compared: what a training job reads. Small
+files are read in batches, large ones in chunks of one pinned version, so memory stays bounded.
 """
 
 from __future__ import annotations
@@ -77,11 +78,12 @@ class _Recorder:
         self.count = 0
         self.recorded = 0
 
-    def add(self, item: FileStat, content_hash: str) -> None:
+    def add(self, item: FileStat, info: ObjectInfo, content_hash: str) -> None:
+        """`info`: the version that was hashed (a first open may have pinned one the listing lacked)."""
         where = self.client.namespace.resolve(item.path)
-        assert where is not None and item.info is not None
+        assert where is not None
         generation = self.generations.get(where.mount.path, -1)
-        self.pending[(where.mount.path, generation)].append(replace(item.info, content_hash=content_hash))
+        self.pending[(where.mount.path, generation)].append(replace(info, content_hash=content_hash))
         self.count += 1
         if self.count >= RECORD_EVERY:
             self.flush()
@@ -99,10 +101,11 @@ def verify(client: Client, target: Listed, progress: Callable[[Verified], None] 
     done = Verified()
     recorder = _Recorder(client, target.generations)
 
-    def check(item: FileStat, digest: str) -> None:
+    def check(item: FileStat, digest: str, hashed: ObjectInfo | None = None) -> None:
         computed = f"{_algorithm(item)}:{digest}"
         if item.content_hash is None:
-            recorder.add(item, computed)
+            assert hashed is not None
+            recorder.add(item, hashed, computed)
         elif item.content_hash == computed:
             done.matched += 1
         else:
@@ -113,27 +116,35 @@ def verify(client: Client, target: Listed, progress: Callable[[Verified], None] 
 
     def one(item: FileStat) -> None:
         hasher = hashlib.new(_algorithm(item))
+        handle = client.handle(item.path)
         try:
-            with client.open(item.path) as f:
-                buffer = bytearray(min(CHUNK, max(item.size, 1)))
-                while n := f.readinto(buffer):
-                    hasher.update(memoryview(buffer)[:n])
+            for start in range(0, handle.size, CHUNK):
+                end = min(handle.size, start + CHUNK)
+                if item.content_hash is None:
+                    hasher.update(client.read_uncached([(handle, start, end)])[0])
+                else:
+                    hasher.update(client.read_range(handle, start, end))
         except ObjectCorrupted as exc:
             done.mismatches.append(Mismatch(item.path, item.content_hash or "-", None, str(exc)))
             done.files += 1
             progress(done)
             return
-        check(item, hasher.hexdigest())
+        check(item, hasher.hexdigest(), handle.info)
 
     def batch(items: list[FileStat]) -> None:
+        handles = [client.handle(item.path) for item in items]
+        hashed = [n for n, item in enumerate(items) if item.content_hash is not None]
+        unhashed = [n for n, item in enumerate(items) if item.content_hash is None]
+        views: dict[int, memoryview] = {}
         try:
-            views = client.read_files([item.path for item in items])
+            got = client.read_many([(handles[n], 0, handles[n].size) for n in hashed])
+            views.update(zip(hashed, got, strict=True))
         except ObjectCorrupted:
-            for item in items:  # find which one, read alone
-                one(item)
-            return
-        for item, view in zip(items, views, strict=True):
-            check(item, hashlib.new(_algorithm(item), view).hexdigest())
+            for n in hashed:  # find which one, read alone
+                one(items[n])
+        views.update(zip(unhashed, client.read_uncached([(handles[n], 0, handles[n].size) for n in unhashed]), strict=True))
+        for n, view in views.items():
+            check(items[n], hashlib.new(_algorithm(items[n]), view).hexdigest(), handles[n].info)
 
     small: list[FileStat] = []
     small_bytes = 0

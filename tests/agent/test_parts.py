@@ -43,7 +43,7 @@ def parts(tmp_path: Path) -> tuple[Fetcher, CacheManager, Metrics]:
     manager.scan()
     sessions = Sessions(manager, metrics)
     fetcher = Fetcher(Settings.from_env(), manager, sessions, metrics)
-    manager.protected = lambda: frozenset(fetcher.inflight).union(sessions.pinned)
+    manager.protected = lambda: frozenset(fetcher.inflight).union(fetcher.busy, sessions.pinned)
     return fetcher, manager, metrics
 
 
@@ -137,3 +137,51 @@ def test_the_manager_evicts_to_its_quota(tmp_path: Path) -> None:
     assert manager.policy.bytes <= 20_000 and metrics.counts["evictions"] > 0
     kept = [i for i in range(blocks.count) if manager.present(blocks.block(i))]
     assert kept and len(kept) < blocks.count
+
+
+def test_pins_are_released_by_the_bytes_they_counted(tmp_path: Path) -> None:
+    """A pinned block the manager forgets (its file vanished) still gives back what its pin
+    counted: pinned bytes never leak until prefetch stops for good."""
+    fetcher, manager, metrics = parts(tmp_path)
+    sessions = fetcher.sessions
+    block = object_blocks("file:///s", {}, ObjectInfo("k", 1 << 20, 1.0, "v"), 1 << 20, True).block(0)
+    assert asyncio.run(manager.publish(block, memoryview(b"x" * (1 << 20))))
+    session, created = sessions.open("s", True)
+    sessions.pin(session, block.name)
+    assert created and sessions.pinned_bytes > 1 << 20
+    manager.path(block).unlink()
+    assert not manager.present(block)
+    sessions.cancel("s")
+    assert (sessions.pinned, sessions.pinned_bytes) == ({}, 0)
+
+
+def test_a_prefetch_arriving_after_its_cancel_pins_nothing(tmp_path: Path) -> None:
+    """The reader's prefetch thread may send a batch after the loop that owns the session sent
+    Cancel: the ended session is not started again."""
+    fetcher, manager, _ = parts(tmp_path)
+    sessions = fetcher.sessions
+    session, _ = sessions.open("job", True)
+    sessions.cancel("job")
+    late, created = sessions.open("job", True)
+    assert late.cancelled and not created and "job" not in sessions.sessions
+    block = object_blocks("file:///s", {}, ObjectInfo("k", 10, 1.0, "v"), 4096, True).block(0)
+    sessions.pin(late, block.name)
+    assert sessions.pinned == {}
+
+
+def test_a_foreign_file_among_the_blocks_is_never_indexed(tmp_path: Path) -> None:
+    """An .nfs silly-rename or a stray copy under blocks/ is left alone: eviction goes on."""
+    root = tmp_path / "cache"
+    (root / "blocks" / "ab").mkdir(parents=True)
+    (root / "blocks" / "ab" / ".nfs0000000001").write_bytes(b"x" * 100)
+    manager = CacheManager(AgentConfig((root,), 3 << 20, 0.0, None), Metrics())
+    manager.scan()
+    assert len(manager.policy) == 0
+    blocks = object_blocks("file:///s", {}, ObjectInfo("k", 4 << 20, 1.0, "v"), 1 << 20, True)
+
+    async def publish_all() -> None:
+        for i in range(blocks.count):
+            assert await manager.publish(blocks.block(i), memoryview(b"y" * (1 << 20)))
+
+    asyncio.run(publish_all())
+    assert manager.metrics.counts["evictions"] > 0 and manager.policy.bytes <= 3 << 20

@@ -8,6 +8,7 @@ byte. What the read path must show under it: 0 missing, 0 wrong, 0 duplicated, c
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import subprocess
@@ -23,6 +24,7 @@ from gpufeed.bench.faults import FaultControl
 from gpufeed.errors import GpufeedError
 from gpufeed.namespace import Namespace
 from tests.conftest import AWS_TEST_ENV, HttpServer
+from tests.faults.conftest import Site
 
 MIX = {"503": 0.05, "reset": 0.02, "truncate": 0.02, "flip": 0.01}
 MIX_NO_FLIP = {name: rate for name, rate in MIX.items() if name != "flip"}
@@ -315,3 +317,23 @@ def test_a_hash_that_never_matches_fails_in_one_line_naming_both(nginx: HttpServ
     assert cat.returncode == 1 and cat.stdout == b"" and len(lines) == 1, cat.stderr
     assert "a.bin" in lines[0] and "0" * 64 in lines[0] and hashlib.sha256(data).hexdigest() in lines[0]
     assert gpufeed.client().agent.stats().blocks == 0, "nothing was cached"
+
+
+def test_verify_records_what_the_store_holds_not_a_copy_flipped_in_transit(nginx_faults: FaultControl, site: Site) -> None:
+    """On HTTP a byte flipped in transit before any hash was known is delivered and cached (see
+    above); `gpufeed verify` hashes the store's bytes, not that copy, so the recorded hash is the
+    right one and later reads of the object succeed."""
+    from gpufeed import verify as verifying
+    from gpufeed.client import Client
+
+    good = bytes(range(256)) * 20
+    (site.root / "a.bin").write_bytes(good)
+    client = Client()
+    client.namespace.add_mount("/h", f"{nginx_faults.url}{site.prefix}")
+    nginx_faults.configure(seed=0, rates={"flip": 1.0}, path_filter=r"\.bin$")
+    assert client.read("/h/a.bin") != good, "the flipped copy is what the cache holds now"
+    nginx_faults.configure(seed=0, rates={}, path_filter=None)
+    done = verifying.verify(client, verifying.listed(client, "/h"))
+    assert (done.recorded, done.mismatches) == (1, [])
+    assert client.stat("/h/a.bin").content_hash == "sha256:" + hashlib.sha256(good).hexdigest()
+    assert Client().read("/h/a.bin") == good, "a hashed object's blocks have names of their own: fetched anew, checked"

@@ -254,3 +254,23 @@ def test_an_endpoint_from_the_environment_is_recorded_in_the_mount(bucket: Bucke
     import gpufeed
 
     assert gpufeed.read("/s3/k") == b"v", "readers and the agent reach the same store"
+
+
+def test_an_http_source_is_listed_from_code_that_runs_an_event_loop(nginx: HttpServer) -> None:
+    """A notebook cell or an async app mounts an HTTP source: the crawl runs on a loop of its own."""
+    import asyncio
+    import uuid
+
+    from gpufeed.client import Client
+
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    (nginx.root / name).mkdir()
+    (nginx.root / name / "a.bin").write_bytes(b"q" * 100)
+    client = Client()
+
+    async def cell() -> int:
+        _, stats = client.namespace.add_mount("/h", f"{nginx.url}/{name}")
+        return stats.files
+
+    assert asyncio.run(cell()) == 1
+    assert client.read("/h/a.bin") == b"q" * 100

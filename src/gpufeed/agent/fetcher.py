@@ -24,7 +24,7 @@ from gpufeed import errors
 from gpufeed.agent.manager import CacheManager
 from gpufeed.agent.metrics import Metrics
 from gpufeed.agent.sessions import Session, Sessions
-from gpufeed.blocks import BlockId, ObjectBlocks, object_blocks
+from gpufeed.blocks import WHOLE_OBJECT_MAX, BlockId, ObjectBlocks, object_blocks
 from gpufeed.config import Settings
 from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant
 from gpufeed.sources import Source, open_source
@@ -33,10 +33,9 @@ log = logging.getLogger("gpufeed.agent")
 
 FETCH_CONCURRENCY = 64
 PREFETCH_CONCURRENCY = 48
+SOURCES_KEPT = 64
+"""Stores (one per source and set of credentials) the agent keeps open, least recently used dropped."""
 MAX_BLOCKS_PER_REQUEST = 65536
-WHOLE_OBJECT_MAX = 1 << 30
-"""Largest object fetched whole to check its content hash; a larger one is checked by length
-and version only (documented in the README)."""
 
 Status = Literal["ok", "uncached"]
 
@@ -97,6 +96,9 @@ class Fetcher:
         self.chain: list[BlockSource] = [StoreBlocks(metrics)]
         self.inflight: dict[str, asyncio.Future[Status]] = {}
         """Block (or, for objects fetched whole, object) name → the fetch every other wanter joins."""
+        self.busy: set[str] = set()
+        """Blocks of objects being fetched whole: eviction leaves them alone while their siblings
+        are published, so an object is not evicted by its own arrival."""
         self._sources: dict[str, Source] = {}
         self._slots: asyncio.Semaphore | None = None
         self._prefetch_slots: asyncio.Semaphore | None = None
@@ -106,9 +108,12 @@ class Fetcher:
         spec = group.source
         secrets = group.credentials.values
         key = xxhash.xxh3_128_hexdigest(repr((spec.url, sorted(spec.options.items()), sorted(secrets.items()))).encode())
-        source = self._sources.get(key)
+        source = self._sources.pop(key, None)
         if source is None:
-            source = self._sources[key] = open_source(spec.url, {**spec.options, **secrets}, self.settings)
+            source = open_source(spec.url, {**spec.options, **secrets}, self.settings)
+            while len(self._sources) >= SOURCES_KEPT:  # rotated credentials must not pile up stores
+                self._sources.pop(next(iter(self._sources)))
+        self._sources[key] = source  # most recently used last
         return source
 
     def jobs(self, groups: list[Group]) -> list[Job]:
@@ -159,12 +164,12 @@ class Fetcher:
         call that joins another's fetch fetched nothing."""
         block = job.block
         name = block.name
-        if repair and name not in self.inflight:
+        flight = job.blocks.oid if job.verified_whole else name
+        if repair and flight not in self.inflight:
             self.sessions.unpin(name)
             self.manager.discard(block)
         elif self.manager.present(block):
             return "ok", 0
-        flight = job.blocks.oid if job.verified_whole else name
         pending = self.inflight.get(flight)
         if pending is not None:
             status = await asyncio.shield(pending)
@@ -212,12 +217,17 @@ class Fetcher:
         data = await self._read(job, 0, job.want.info.size)
         size = job.blocks.block_size
         status: Status = "ok"
-        for index in range(job.blocks.count):
-            block = job.blocks.block(index)
-            if index != job.index and self.manager.present(block):
-                continue
-            if not await self.manager.publish(block, data[index * size : (index + 1) * size]):
-                status = "uncached" if index == job.index else status
+        names = {job.blocks.block(index).name for index in range(job.blocks.count)}
+        self.busy |= names
+        try:
+            for index in range(job.blocks.count):
+                block = job.blocks.block(index)
+                if index != job.index and self.manager.present(block):
+                    continue
+                if not await self.manager.publish(block, data[index * size : (index + 1) * size]):
+                    status = "uncached" if index == job.index else status
+        finally:
+            self.busy -= names
         return status
 
     def prefetch(self, session: Session, jobs: list[Job]) -> None:

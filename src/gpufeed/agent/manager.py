@@ -11,6 +11,7 @@ import asyncio
 import errno
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ DISK_CHECK_S = 2.0
 """How often the agent asks the cache filesystems for free space; in between, its own
 publishes and evictions are what changes."""
 FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+_BLOCK_NAME = re.compile(r"[0-9a-f]{32}-\d+")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class CacheManager:
             if blocks.is_dir():
                 for sub in os.scandir(blocks):
                     for entry in os.scandir(sub.path):
+                        if not _BLOCK_NAME.fullmatch(entry.name):
+                            continue  # not a block (an .nfs file, a stray copy): never indexed, never evicted
                         st = entry.stat()
                         found.append((st.st_mtime, entry.name, st.st_size))
             for _, name, size in sorted(found):

@@ -86,7 +86,7 @@ class Agent:
         self.manager = CacheManager(config, self.metrics)
         self.sessions = Sessions(self.manager, self.metrics)
         self.fetcher = Fetcher(settings, self.manager, self.sessions, self.metrics)
-        self.manager.protected = lambda: frozenset(self.fetcher.inflight).union(self.sessions.pinned)
+        self.manager.protected = lambda: frozenset(self.fetcher.inflight).union(self.fetcher.busy, self.sessions.pinned)
         self.connections = 0
         self.last_activity = time.monotonic()
         self._stop: asyncio.Event | None = None
@@ -195,7 +195,7 @@ class Agent:
                 while (request := await codec.read_request(reader)) is not None:
                     self.last_activity = time.monotonic()
                     reply = await self.answer(request, owned)
-                    if reply is not None:
+                    if reply is not None and not (isinstance(request, Hits) and not request.reply):  # one way stays one way
                         writer.write(codec.frame(reply))
                         await writer.drain()
         except (ConnectionError, codec.ProtocolError):

@@ -8,6 +8,7 @@ sessions end when it closes, so a killed trainer releases its pins.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from gpufeed.agent.manager import CacheManager
@@ -15,6 +16,8 @@ from gpufeed.agent.metrics import Metrics
 
 PIN_FRACTION = 0.5
 """Prefetch stops while pinned blocks fill this much of the cache."""
+ENDED_MEMORY = 4096
+"""Cancelled sessions remembered, so a late prefetch of one is dropped."""
 
 
 @dataclass
@@ -33,15 +36,21 @@ class Sessions:
         self.manager = manager
         self.metrics = metrics
         self.sessions: dict[str, Session] = {}
-        self.pinned: dict[str, str] = {}
-        """Pinned block name → the session that pinned it."""
+        self.pinned: dict[str, tuple[str, int]] = {}
+        """Pinned block name → the session that pinned it, and the bytes it counted."""
         self.pinned_bytes = 0
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        """Sessions cancelled lately: a prefetch that arrives after its cancel (sent by another
+        thread of the reader) is dropped, not the start of a session nobody will end."""
 
     def open(self, name: str, pin: bool) -> tuple[Session, bool]:
-        """The session called `name`, and whether this call created it."""
+        """The session called `name`, and whether this call created it (an ended session is
+        handed out cancelled, so what it queues does nothing)."""
         session = self.sessions.get(name)
         if session is not None:
             return session, False
+        if name in self._ended:
+            return Session(name, pin, cancelled=True), False
         session = self.sessions[name] = Session(name, pin)
         return session, True
 
@@ -50,15 +59,17 @@ class Sessions:
 
     def pin(self, session: Session, name: str) -> None:
         if session.pin and not session.cancelled and name not in self.pinned:
-            self.pinned[name] = session.name
+            size = self.manager.sizes.get(name, 0)
+            self.pinned[name] = (session.name, size)
             session.pinned.add(name)
-            self.pinned_bytes += self.manager.sizes.get(name, 0)
+            self.pinned_bytes += size
             self.metrics.count("prefetched")
 
     def unpin(self, name: str) -> None:
-        owner = self.pinned.pop(name, None)
-        if owner is not None:
-            self.pinned_bytes -= self.manager.sizes.get(name, 0)
+        pinned = self.pinned.pop(name, None)
+        if pinned is not None:
+            owner, size = pinned
+            self.pinned_bytes -= size
             session = self.sessions.get(owner)
             if session is not None:
                 session.pinned.discard(name)
@@ -67,6 +78,9 @@ class Sessions:
         """End a session: queued blocks are dropped (each task checks `cancelled` before it
         fetches; one already fetching finishes, since demand readers may be waiting on it),
         pinned ones released."""
+        self._ended[name] = None
+        while len(self._ended) > ENDED_MEMORY:
+            self._ended.popitem(last=False)
         session = self.sessions.pop(name, None)
         if session is None:
             return

@@ -16,12 +16,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 from gpufeed import arguments
-from gpufeed.blocks import CorruptBlock, object_blocks
+from gpufeed.aio import run_blocking
+from gpufeed.blocks import WHOLE_OBJECT_MAX, CorruptBlock, object_blocks
 from gpufeed.cache import blockfile, openfiles
 from gpufeed.cache.layout import BlockRef, block_path
 from gpufeed.cache.openfiles import OpenBlocks
@@ -316,8 +316,35 @@ class Client:
             return pieces[(n, 0)]
         return plan.join([pieces[(n, index)] for index in handle.blocks.blocks.span(start, end)], end - start)
 
+    def read_uncached(self, reads: Sequence[tuple[ObjectHandle, int, int]]) -> list[memoryview]:
+        """Bytes straight from the store, never from the cache, pinned to each handle's version
+        and checked as the store and the manifest allow: what `gpufeed verify` hashes when it
+        records what the store holds."""
+        ranges = {(n, 0): (handle, start, min(end, handle.size)) for n, (handle, start, end) in enumerate(reads)}
+        got = self._direct_many({key: r for key, r in ranges.items() if r[2] > r[1]})
+        return [got.get((n, 0), memoryview(b"")) for n in range(len(reads))]
+
     def _direct_many(self, ranges: dict[tuple[int, int], tuple[ObjectHandle, int, int]]) -> dict[tuple[int, int], memoryview]:
+        """Source reads. A range of an object the manifest holds a content hash for is cut from
+        one read of the whole object, which the source checks against the hash: its bytes are
+        never handed out unchecked, whether the cache is off, full or evicted them early."""
+        reads: dict[object, tuple[ObjectHandle, int, int]] = {}
+        cuts: dict[tuple[int, int], tuple[object, int, int]] = {}
+        for key, (handle, start, end) in ranges.items():
+            if handle.info.content_hash and handle.size <= WHOLE_OBJECT_MAX:
+                whole = (handle.path, handle.info.version)
+                reads.setdefault(whole, (handle, 0, handle.size))
+                cuts[key] = (whole, start, end)
+            else:
+                reads[key] = (handle, start, end)
+                cuts[key] = (key, 0, end - start)
+        got = self._direct_ranges(reads)
+        return {key: got[read][lo:hi] for key, (read, lo, hi) in cuts.items()}
+
+    def _direct_ranges(self, ranges: dict[object, tuple[ObjectHandle, int, int]]) -> dict[object, memoryview]:
         """Source reads, up to DIRECT_CONCURRENCY in flight at once (one ranged GET each)."""
+        if not ranges:
+            return {}
         if len(ranges) == 1:
             ((key, (handle, start, end)),) = ranges.items()
             return {key: self._direct(handle, start, end)}
@@ -326,12 +353,7 @@ class Client:
             slots = asyncio.Semaphore(DIRECT_CONCURRENCY)
             return await asyncio.gather(*(self._direct_async(h, start, end, slots) for h, start, end in ranges.values()))
 
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return dict(zip(ranges, asyncio.run(gather()), strict=True))
-        with ThreadPoolExecutor(1) as thread:  # called from async code (a notebook): its loop is taken
-            return dict(zip(ranges, thread.submit(asyncio.run, gather()).result(), strict=True))
+        return dict(zip(ranges, run_blocking(gather()), strict=True))
 
     async def _direct_async(self, handle: ObjectHandle, start: int, end: int, slots: asyncio.Semaphore) -> memoryview:
         try:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import xxhash
 
 from gpufeed.errors import MetadataError
-from gpufeed.sources.base import ObjectInfo
+from gpufeed.sources.base import ObjectInfo, same_version
 
 SCHEMA_VERSION = 2
 
@@ -96,17 +96,9 @@ class Entry(NamedTuple):
         )
 
     def same_version(self, other: Entry) -> bool:
-        """Whether two rows describe one version. A row listed without a version (an HTTP
-        `KEY SIZE` line) matches on size alone: the version its first open pinned is not a change."""
-        if self.size != other.size:
-            return False
-        if not self.versioned or not other.versioned:
-            return True
-        return self.etag == other.etag and (self.etag is not None or self.mtime == other.mtime)
-
-    @property
-    def versioned(self) -> bool:
-        return self.etag is not None or self.mtime != 0.0
+        """Whether two rows describe one version (`sources.base.same_version`): the version a
+        first open pinned, or an ETag a HEAD added, is not a change."""
+        return same_version(self.object_info(), other.object_info())
 
 
 class MetaEngine(Protocol):

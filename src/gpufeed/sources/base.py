@@ -35,6 +35,20 @@ class ObjectInfo:
         return version_string(self.size, self.mtime, self.etag)
 
 
+def same_version(a: ObjectInfo, b: ObjectInfo) -> bool:
+    """Whether two records of one key describe the same bytes, as far as they can tell. One
+    listed without a version (an HTTP `KEY SIZE` line) matches on size alone; one with only a
+    modification time (an HTTP index listing) against one with an ETag too (a HEAD) compares
+    the modification times."""
+    if a.size != b.size:
+        return False
+    if not (a.etag or a.mtime > 0) or not (b.etag or b.mtime > 0):
+        return True
+    if a.etag and b.etag:
+        return a.etag == b.etag
+    return a.mtime == b.mtime
+
+
 def version_string(size: int, mtime: float, etag: str | None) -> str:
     """The ETag when the store has one, else modification time (µs) and size."""
     return etag or f"{int(mtime * 1e6):x}-{size:x}"

@@ -20,6 +20,7 @@ from urllib.parse import SplitResult, quote
 import aiohttp
 from obstore.store import HTTPStore
 
+from gpufeed.aio import blocking_runner, run_blocking
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument, PathNotFound, SourceError, SourceUnreachable
 from gpufeed.sources import retry
@@ -74,7 +75,7 @@ class HttpSource(ObstoreSource):
         missing = [key for key, size in batch if size is None]
         heads: dict[str, ObjectInfo] = {}
         if missing:
-            heads = dict(zip(missing, asyncio.run(self._head_many(missing)), strict=True))
+            heads = dict(zip(missing, run_blocking(self._head_many(missing)), strict=True))
         return [heads[key] if size is None else ObjectInfo(key, size, 0.0) for key, size in batch]
 
     async def _head_many(self, keys: builtins.list[str]) -> builtins.list[ObjectInfo]:
@@ -85,13 +86,13 @@ class HttpSource(ObstoreSource):
         retried on its own; memory holds only the frontier of directories, never the whole
         listing. The loop is a Runner, so however the crawl ends (failure, a consumer that
         stops early) the session closes and no task is left pending on a closed loop."""
-        with asyncio.Runner() as runner:
-            session = runner.run(self._open_session())
+        with blocking_runner() as run:
+            session = run(self._open_session())
             try:
                 frontier: deque[str] = deque([""])
                 while frontier:
                     level = [frontier.popleft() for _ in range(min(len(frontier), INDEX_CONCURRENCY))]
-                    pages = runner.run(_all(self._index_page(session, d) for d in level))
+                    pages = run(_all(self._index_page(session, d) for d in level))
                     batch: list[ObjectInfo] = []
                     for directory, page in zip(level, pages, strict=True):
                         for item in page:
@@ -104,7 +105,7 @@ class HttpSource(ObstoreSource):
                     if batch:
                         yield batch
             finally:
-                runner.run(session.close())
+                run(session.close())
 
     async def _open_session(self) -> aiohttp.ClientSession:
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout, connect=self.settings.connect_timeout)

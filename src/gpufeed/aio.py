@@ -1,0 +1,44 @@
+"""Running coroutines to completion from synchronous code, including code called from a thread
+that already runs an event loop (a notebook, an async web app): a thread runs one loop at a
+time, so there the coroutines run on a thread of their own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@contextmanager
+def blocking_runner() -> Iterator[Run]:
+    """`run(coroutine)` → its result, on one loop for the whole block (so a session opened by
+    one call is usable by the next), closed at the end however the block ends."""
+    if not _loop_running():
+        with asyncio.Runner() as runner:
+            yield runner.run
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="gpufeed-loop") as thread:
+        runner = thread.submit(asyncio.Runner).result()
+        try:
+            yield lambda coroutine: thread.submit(runner.run, coroutine).result()
+        finally:
+            thread.submit(runner.close).result()
+
+
+def run_blocking(coroutine: Coroutine[Any, Any, T]) -> T:
+    with blocking_runner() as run:
+        result: T = run(coroutine)
+        return result
