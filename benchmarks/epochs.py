@@ -181,6 +181,7 @@ def run_loop(name: str, epochs: int, make_loader: Callable[[int], Any], step_s: 
 
 
 def feed_loader(dataset: FeedDataset, args: argparse.Namespace, prefetch: bool = True) -> Callable[[int], FeedLoader]:
+    gpufeed.client().agent.stats()  # the agent runs before epoch 1: its start-up is not a cold object's CPU
     sampler = FeedSampler(dataset, shuffle=True, seed=0, prefetch=prefetch)
     loader = FeedLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers,
                         collate_fn=collate, persistent_workers=args.persistent)

@@ -35,6 +35,10 @@ DISK_CHECK_S = 2.0
 """How often the agent asks the cache filesystems for free space; in between, its own
 publishes and evictions are what changes."""
 FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+INLINE_PUBLISH = 256 * 1024
+"""Blocks up to this size are written on the event loop: checksumming and writing 100 KB takes
+less than handing it to a thread and waking the loop when the thread is done (measured:
+benchmarks/epochs.py, agent CPU per cold object); bigger ones go to a thread."""
 _BLOCK_NAME = re.compile(r"[0-9a-f]{32}-\d+")
 
 
@@ -121,7 +125,10 @@ class CacheManager:
         path = self.path(block)
         for attempt in range(2):
             try:
-                written = await asyncio.to_thread(blockfile.publish, path, block, data)
+                if len(data) <= INLINE_PUBLISH:
+                    written = blockfile.publish(path, block, data)
+                else:
+                    written = await asyncio.to_thread(blockfile.publish, path, block, data)
                 break
             except OSError as exc:
                 full = exc.errno in FULL_ERRNOS

@@ -177,8 +177,11 @@ def publish(path: Path, block: BlockId, data: memoryview | bytes) -> int:
                 raise OSError(errno.ENOSPC, f"short write ({written} of {len(header) + len(view)} bytes)", str(tmp))
         finally:
             os.close(fd)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, path)
+        try:
+            os.rename(tmp, path)
+        except FileNotFoundError:  # the first block of its prefix: make the dir once, not per publish
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
