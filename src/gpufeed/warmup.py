@@ -8,6 +8,7 @@ are ignored and removed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -65,9 +66,19 @@ def warm(
     """Fetch every block of `files` through the agent, `concurrency` files at a time."""
     progress = Progress(paths, len(files), sum(f.size for f in files))
     status = status_dir(client) / f"{progress.pid}.json"
-    status.parent.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
     written = 0.0
+
+    def publish_status() -> None:
+        """For `warmup status`; a cache dir that cannot take the file (full, read-only) only
+        means this warmup is not listed there: the warmup itself goes on."""
+        try:
+            status.parent.mkdir(parents=True, exist_ok=True)
+            status.write_text(json.dumps(asdict(progress)))
+        except OSError:
+            pass
+
+    publish_status()
 
     def one(item: FileStat) -> None:
         nonlocal written
@@ -78,7 +89,7 @@ def warm(
             progress.skipped_bytes += cached
             report(progress)
             if time.monotonic() - written > STATUS_INTERVAL_S:
-                status.write_text(json.dumps(asdict(progress)))
+                publish_status()
                 written = time.monotonic()
 
     try:
@@ -86,5 +97,6 @@ def warm(
             for _ in pool.map(one, files):
                 pass
     finally:
-        status.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            status.unlink(missing_ok=True)
     return progress

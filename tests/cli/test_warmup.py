@@ -33,6 +33,16 @@ def test_warmup_fills_the_cache_and_skips_what_is_cached(dataset: Path) -> None:
     assert "no such file in mount /data" in fails(1, "warmup", "/data/nope")
 
 
+def test_a_warmup_goes_on_when_its_progress_file_cannot_be_written(dataset: Path, gpufeed_home: Path) -> None:
+    """The progress file only lists the warmup in `warmup status`; a cache dir that cannot take
+    it (here its place is taken by a file) does not stop the warmup."""
+    ok("mount", "add", "/data", f"file://{dataset}")
+    (gpufeed_home / "cache").mkdir(parents=True, exist_ok=True)
+    (gpufeed_home / "cache" / "warmups").write_text("not a directory")
+    assert "warmed 6 files" in ok("warmup", "/data/train")
+    assert "100.0% cached" in ok("warmup", "--dry-run", "/data/train")
+
+
 def test_a_killed_warmup_resumes_where_it_stopped(nginx: HttpServer, tmp_path: Path) -> None:
     site = nginx.root / f"warm-{tmp_path.name}"
     site.mkdir()
