@@ -107,7 +107,7 @@ def test_a_repair_discards_the_damaged_block_and_fetches_it_again(tmp_path: Path
         assert not reply.failures
 
     asyncio.run(run([]))
-    path = manager.path(blocks.block(0))
+    path = Path(manager.path(blocks.block(0)))
     path.write_bytes(path.read_bytes()[:-1] + b"x")
     with pytest.raises(CorruptBlock):
         blockfile.read(ref, 0, 0, 4096)
@@ -149,7 +149,7 @@ def test_pins_are_released_by_the_bytes_they_counted(tmp_path: Path) -> None:
     session, created = sessions.open("s", True)
     sessions.pin(session, block.name)
     assert created and sessions.pinned_bytes > 1 << 20
-    manager.path(block).unlink()
+    os.unlink(manager.path(block))
     assert not manager.present(block)
     sessions.cancel("s")
     assert (sessions.pinned, sessions.pinned_bytes) == ({}, 0)

@@ -25,7 +25,7 @@ def ref(tmp_path: Path, size: int, verify: bool = True, block_size: int = 4 << 2
 def test_round_trip_any_range(tmp_path: Path) -> None:
     data = os.urandom(3 * CHUNK + 1000)
     r = ref(tmp_path, len(data))
-    written = blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
+    written = blockfile.publish(r.path(0), r.blocks.block(0), data)
     assert written == header_length(len(data)) + len(data) == Path(r.path(0)).stat().st_size
     for start, end in [(0, len(data)), (5, 17), (CHUNK - 1, CHUNK + 1), (2 * CHUNK, len(data)), (len(data) - 1, len(data))]:
         assert bytes(blockfile.read(r, 0, start, end)) == data[start:end]
@@ -53,13 +53,13 @@ def test_a_valid_block_of_another_object_under_a_blocks_name_is_corrupt(tmp_path
     DeletionCounter.create(tmp_path)
     mine = BlockRef.of((tmp_path,), identity(len(data)), verify, OpenBlocks(tmp_path, held))
     other = BlockRef.of((tmp_path,), identity(len(data), key="other"), verify, OpenBlocks(tmp_path, held))
-    blockfile.publish(Path(mine.path(0)), other.blocks.block(0), data)
+    blockfile.publish(mine.path(0), other.blocks.block(0), data)
     with pytest.raises(CorruptBlock):
         blockfile.read(mine, 0, 0, 10)
-    blockfile.publish(Path(mine.path(0)), mine.blocks.block(1), data)
+    blockfile.publish(mine.path(0), mine.blocks.block(1), data)
     with pytest.raises(CorruptBlock):
         blockfile.read(mine, 0, CHUNK, CHUNK + 10)
-    blockfile.publish(Path(mine.path(0)), mine.blocks.block(0), data)
+    blockfile.publish(mine.path(0), mine.blocks.block(0), data)
     assert bytes(blockfile.read(mine, 0, 0, 10)) == data[:10]
 
 
@@ -67,7 +67,7 @@ def test_a_valid_block_of_another_object_under_a_blocks_name_is_corrupt(tmp_path
 def test_a_flipped_byte_is_detected(tmp_path: Path, offset: int) -> None:
     data = os.urandom(2 * CHUNK)
     r = ref(tmp_path, len(data))
-    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
+    blockfile.publish(r.path(0), r.blocks.block(0), data)
     with open(Path(r.path(0)), "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
@@ -84,7 +84,7 @@ def test_a_flipped_byte_is_detected(tmp_path: Path, offset: int) -> None:
 def test_a_block_of_the_wrong_size_is_detected_with_and_without_verify(tmp_path: Path, verify: bool, change: int) -> None:
     data = os.urandom(1000)
     r = ref(tmp_path, len(data), verify)
-    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
+    blockfile.publish(r.path(0), r.blocks.block(0), data)
     os.truncate(Path(r.path(0)), header_length(len(data)) + len(data) + change)
     if verify and change > 0:  # the checksums prove the bytes asked for; trailing junk is harmless
         assert bytes(blockfile.read(r, 0, 0, 1000)) == data
@@ -96,7 +96,7 @@ def test_a_block_of_the_wrong_size_is_detected_with_and_without_verify(tmp_path:
 def test_verify_never_skips_checksums(tmp_path: Path) -> None:
     data = b"a" * 1000
     r = ref(tmp_path, len(data), verify=False)
-    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
+    blockfile.publish(r.path(0), r.blocks.block(0), data)
     with open(Path(r.path(0)), "r+b") as f:
         f.seek(header_length(1000) + 10)
         f.write(b"Z")
@@ -111,7 +111,7 @@ def test_missing_block_is_file_not_found(tmp_path: Path) -> None:
 def test_an_open_reader_survives_unlink(tmp_path: Path) -> None:
     data = os.urandom(5000)
     r = ref(tmp_path, len(data))
-    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
+    blockfile.publish(r.path(0), r.blocks.block(0), data)
     fd = os.open(Path(r.path(0)), os.O_RDONLY)
     os.unlink(Path(r.path(0)))
     assert os.pread(fd, 5000, header_length(5000)) == data

@@ -22,7 +22,7 @@ def identity(size: int, block_size: int = 4 << 20, key: str = "key") -> ObjectBl
 
 def published(root: Path, data: bytes) -> BlockRef:
     r = BlockRef.of((root,), identity(len(data), 4 << 20), True, OpenBlocks(Path("/nonexistent"), 0))
-    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
+    blockfile.publish(r.path(0), r.blocks.block(0), data)
     return r
 
 
@@ -111,7 +111,7 @@ def test_a_valid_small_block_of_another_object_is_corrupt(tmp_path: Path) -> Non
     data = os.urandom(1000)
     r = published(tmp_path, data)
     other = identity(len(data), key="other")
-    blockfile.publish(Path(r.path(0)), other.block(0), data)
+    blockfile.publish(r.path(0), other.block(0), data)
     assert r.small_header is not None
     with pytest.raises(CorruptBlock):
         blockfile.read_one_chunk(r.files, r.small_path, r.object_size, r.small_header)
@@ -125,11 +125,11 @@ def test_a_held_file_found_damaged_gives_way_to_its_repair(tmp_path: Path, size:
     files = OpenBlocks(tmp_path, 10)
     data = os.urandom(size)
     r = BlockRef.of((tmp_path,), identity(size, 4 << 20), True, files)
-    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)
+    blockfile.publish(r.path(0), r.blocks.block(0), data)
     assert blockfile.read(r, 0, 0, size) == data and r.path(0) not in files.held, "held from its second read"
     assert blockfile.read(r, 0, 0, size) == data and r.path(0) in files.held
     flip(r.path(0), SMALL_HEAD + 5)  # the held file is damaged in place...
-    blockfile.publish(Path(r.path(0)), r.blocks.block(0), data)  # ...and the agent's repair renamed a new one over it
+    blockfile.publish(r.path(0), r.blocks.block(0), data)  # ...and the agent's repair renamed a new one over it
     assert blockfile.read(r, 0, 0, size) == data
     flip(r.path(0), SMALL_HEAD + 5)
     with pytest.raises(CorruptBlock):

@@ -8,6 +8,7 @@ the deletion count readers watch to let go of files they hold (`cache.openfiles`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -88,14 +89,14 @@ class CacheManager:
                 self.policy.insert(name, size)
                 self.sizes[name] = size
 
-    def path(self, block: BlockId) -> Path:
+    def path(self, block: BlockId) -> str:
         return block_path(self.config.dirs, block)
 
     def present(self, block: BlockId) -> bool:
         """Whether the block is published; one deleted behind the agent's back is forgotten."""
         if block.name not in self.policy:
             return False
-        if self.path(block).exists():
+        if os.path.exists(self.path(block)):
             return True
         self.forget(block.name)
         return False
@@ -138,7 +139,8 @@ class CacheManager:
                     self.full_until = time.monotonic() + FULL_BACKOFF_S
                     self._disk_checked = -DISK_CHECK_S  # ask the disk again: the quota follows what fits
                 if not self._warned_full:
-                    log.warning("cannot write blocks to %s (%s): serving reads uncached", path.parent, exc.strerror or exc)
+                    where = os.path.dirname(path)
+                    log.warning("cannot write blocks to %s (%s): serving reads uncached", where, exc.strerror or exc)
                     self._warned_full = True
                 self.metrics.count("uncached")
                 return False
@@ -151,7 +153,7 @@ class CacheManager:
 
     def discard(self, block: BlockId) -> None:
         """Remove a block a reader found damaged, before it is fetched again."""
-        self.path(block).unlink(missing_ok=True)
+        _unlink(self.path(block))
         self._deleted()
         self.forget(block.name)
         self.metrics.count("repairs")
@@ -164,7 +166,7 @@ class CacheManager:
         freed = 0
         victims = self.policy.victims(goal, self.protected())
         for name in victims:
-            self.path(BlockId.parse(name)).unlink(missing_ok=True)
+            _unlink(self.path(BlockId.parse(name)))
             freed += self.sizes.pop(name, 0)
             self.metrics.count("evictions")
         if victims:
@@ -176,3 +178,8 @@ class CacheManager:
         they hold and the space is freed (`cache.openfiles`)."""
         if self.deletions is not None and not self.deletions.bump():
             self.deletions = None
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

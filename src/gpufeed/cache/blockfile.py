@@ -8,11 +8,11 @@ lets readers hold block files open between hits (`openfiles`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import itertools
 import os
 import threading
-import uuid
-from pathlib import Path
 
 from xxhash import xxh3_64_intdigest
 
@@ -160,29 +160,36 @@ def _pread(fd: int, size: int, offset: int, scratch: bool) -> memoryview:
     return buffer[: os.preadv(fd, [buffer[:size]], offset)]
 
 
-def publish(path: Path, block: BlockId, data: memoryview | bytes) -> int:
-    """Atomically place a block file; returns the bytes it occupies. Raises OSError (ENOSPC…)."""
+def publish(path: str, block: BlockId, data: memoryview | bytes) -> int:
+    """Atomically place a block file at `path` (`layout.block_path`); returns the bytes it
+    occupies. Raises OSError (ENOSPC…). Only the agent publishes, one per cache dir (its lock),
+    so a counter names temp files uniquely; a crashed agent's are removed at the next start."""
     header, view = encode(block, data)
-    tmp_dir = path.parent.parent.parent / "tmp"
-    tmp = tmp_dir / f"{path.name}.{uuid.uuid4().hex[:8]}"
+    blocks_dir, _, name = path.rpartition("/")
+    tmp_dir = f"{blocks_dir.rpartition('/')[0].rpartition('/')[0]}/tmp"
+    tmp = f"{tmp_dir}/{name}.{next(_temp_numbers)}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileNotFoundError:
-        tmp_dir.mkdir(parents=True, exist_ok=True)
+        os.makedirs(tmp_dir, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
             written = os.writev(fd, [header, view])
             if written != len(header) + len(view):  # a regular file is written short only when the disk is full
-                raise OSError(errno.ENOSPC, f"short write ({written} of {len(header) + len(view)} bytes)", str(tmp))
+                raise OSError(errno.ENOSPC, f"short write ({written} of {len(header) + len(view)} bytes)", tmp)
         finally:
             os.close(fd)
         try:
             os.rename(tmp, path)
         except FileNotFoundError:  # the first block of its prefix: make the dir once, not per publish
-            path.parent.mkdir(parents=True, exist_ok=True)
+            os.makedirs(blocks_dir, exist_ok=True)
             os.rename(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
     return written
+
+
+_temp_numbers = itertools.count()

@@ -19,8 +19,8 @@ def object_prefix(dirs: tuple[Path, ...], oid: str) -> str:
     return f"{root}/blocks/{oid[:2]}/{oid}-"
 
 
-def block_path(dirs: tuple[Path, ...], block: BlockId) -> Path:
-    return Path(f"{object_prefix(dirs, block.oid)}{block.index}")
+def block_path(dirs: tuple[Path, ...], block: BlockId) -> str:
+    return f"{object_prefix(dirs, block.oid)}{block.index}"
 
 
 @dataclass(frozen=True, slots=True)

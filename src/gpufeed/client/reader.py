@@ -468,7 +468,7 @@ class Client:
             mount = where.mount
             assert item.info is not None
             blocks = object_blocks(mount.url, source_options(mount), item.info, policy.block_size, not mount.immutable)
-            present = (i for i in range(blocks.count) if block_path(dirs, blocks.block(i)).exists())
+            present = (i for i in range(blocks.count) if os.path.exists(block_path(dirs, blocks.block(i))))
             yield item, sum(blocks.length(i) for i in present)
 
     def open(self, path: str | os.PathLike[str], mode: str = "rb") -> FeedFile:
