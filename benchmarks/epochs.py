@@ -13,12 +13,17 @@ shaper (first byte --latency-ms after each request). Loops:
 - local: the files read from local disk (page cache warm after the first epoch).
 - direct http: each worker GETs its samples one by one from nginx, as a plain dataset over
   object storage does (the loader's own concurrency: workers x one request).
-- gpufeed http / gpufeed s3: FeedDataset + FeedSampler over the mount, cache cleared first, so
-  epoch 1 is cold and the later ones warm; and epoch 1 once more with the sampler's prefetch off.
+- gpufeed http / gpufeed s3: FeedDataset + FeedSampler over a mount never read before, so epoch
+  1 is cold and the later ones warm; and a cold epoch 1 with the sampler's prefetch off, over a
+  second path to the same files (new blocks, like a new dataset). No cache is cleared before a
+  cold epoch: on ext4, creating files within ~35 s of deleting thousands makes each create scan
+  the recently freed inodes (measured here: ≈0.5 ms of kernel CPU a file instead of ≈10 µs),
+  which would charge a benchmark's own clean-up to the cold epoch after it.
 
 Printed per loop and epoch: samples/s, accelerator busy %, the ratio of samples/s to local
-disk's (the mean of its epochs in this run), the agent's CPU seconds (from /proc), and the
-bytes fetched from the store against the dataset's size.
+disk's (the mean of its epochs in this run), the CPU seconds (from /proc) of the node agent, of
+the latency shaper (the emulated network: on a real node this CPU is not spent) and of the
+store server, and the bytes fetched from the store against the dataset's size.
 """
 
 from __future__ import annotations
@@ -118,7 +123,8 @@ class DirectHttp(Dataset):
 class Epoch:
     samples_s: float
     busy: float
-    agent_cpu_s: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds of the node agent, the shaper and the store server during the epoch."""
     fetched: int = 0
 
 
@@ -128,14 +134,39 @@ class Loop:
     epochs: list[Epoch] = field(default_factory=list)
 
 
-def agent_cpu_s() -> float:
-    """The node agent's user+system CPU seconds so far (0 when none runs)."""
+SERVICES = {"shaper": ("gpufeed.bench.shaper",), "store": ("nginx", "moto_server")}
+
+
+def cpu_s(pid: int) -> float:
+    """A process's user+system CPU seconds so far (0 when it is gone)."""
     try:
-        pid = gpufeed.client().agent.stats(start=False).pid
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except Exception:
+    except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def service_cpu_s() -> dict[str, float]:
+    """CPU seconds so far of this run's node agent, and of the shapers and store servers this
+    process started."""
+    try:
+        totals = {"agent": cpu_s(gpufeed.client().agent.stats(start=False).pid)}
+    except Exception:
+        totals = {"agent": 0.0}
+    totals |= dict.fromkeys(SERVICES, 0.0)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            parent = int(Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[1])
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[:3] if parent == os.getpid() else []
+        except OSError:
+            continue
+        names = {os.path.basename(a.decode(errors="replace")) for a in argv}
+        for kind, marks in SERVICES.items():
+            if names.intersection(marks):
+                totals[kind] += cpu_s(int(entry))
+    return totals
 
 
 def agent_fetched() -> int:
@@ -148,7 +179,7 @@ def agent_fetched() -> int:
 def run_epoch(loader: Iterator[int] | DataLoader, step_s: float) -> Epoch:
     """One pass: the accelerator's step after each batch; busy = time in steps / wall time,
     the first batch included (a cold start is part of the epoch a user waits for)."""
-    cpu, fetched = agent_cpu_s(), agent_fetched()
+    cpu, fetched = service_cpu_s(), agent_fetched()
     samples = steps = 0
     started = time.perf_counter()
     for count in loader:
@@ -156,7 +187,8 @@ def run_epoch(loader: Iterator[int] | DataLoader, step_s: float) -> Epoch:
         steps += 1
         time.sleep(step_s)
     wall = time.perf_counter() - started
-    return Epoch(samples / wall, steps * step_s / wall, agent_cpu_s() - cpu, agent_fetched() - fetched)
+    spent = {kind: seconds - cpu[kind] for kind, seconds in service_cpu_s().items()}
+    return Epoch(samples / wall, steps * step_s / wall, spent, agent_fetched() - fetched)
 
 
 def calibrate(measure: Callable[[float], Epoch], step_s: float, busy: float) -> float:
@@ -251,11 +283,14 @@ def main() -> None:
             base = local_rate or statistics.mean(e.samples_s for e in loop.epochs)
             for n, epoch in enumerate(loop.epochs, 1):
                 fetched = f"{epoch.fetched / total:5.2f}x data" if loop.name.startswith("gpufeed") else ""
-                cpu = f"{epoch.agent_cpu_s:5.2f} s" if loop.name.startswith("gpufeed") else ""
+                spent = epoch.cpu_s
+                cpu = (f"{spent['agent']:5.2f} s {spent['shaper']:5.2f} s {spent['store']:5.2f} s"
+                       if loop.name.startswith("gpufeed") else "")
                 print(f"{loop.name:<28} {n:>5} {epoch.samples_s:>10,.0f} {epoch.busy:>6.1%} {epoch.samples_s / base:>8.2f}x "
-                      f"{cpu:>9} {fetched:>11}", flush=True)
+                      f"{cpu:>23} {fetched:>11}", flush=True)
 
-        print(f"{'loop':<28} {'epoch':>5} {'samples/s':>10} {'busy':>6} {'vs local':>9} {'agent CPU':>9} {'fetched':>11}")
+        print(f"{'loop':<28} {'epoch':>5} {'samples/s':>10} {'busy':>6} {'vs local':>9} "
+              f"{'CPU: agent / shaper / store':>23} {'fetched':>11}")
         local = run_loop("local disk", args.epochs, local_loader, step_s, report)
         local_rate = statistics.mean(e.samples_s for e in local.epochs)
 
@@ -273,13 +308,14 @@ def main() -> None:
                 Namespace().add_mount("/http", url)
                 http = FeedDataset("/http", transform=decode)
                 run_loop("gpufeed http", args.epochs, feed_loader(http, args), step_s, report)
-                gpufeed.client().agent.clear()
-                run_loop("gpufeed http, prefetch off", 1, feed_loader(http, args, prefetch=False), step_s, report)
+                (root.parent / "again").symlink_to(root.name)  # the same files at a second URL: blocks never cached
+                Namespace().add_mount("/http-again", f"http://127.0.0.1:{shaped}/again")
+                again = FeedDataset("/http-again", transform=decode)
+                run_loop("gpufeed http, prefetch off", 1, feed_loader(again, args, prefetch=False), step_s, report)
 
         with s3_store(work, root) as endpoint:
             port = int(endpoint.rsplit(":", 1)[1])
             with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper-s3.log") as shaped:
-                gpufeed.client().agent.clear()
                 Namespace().add_mount("/s3", f"s3://{BUCKET}/train", {"endpoint": f"http://127.0.0.1:{shaped}"})
                 s3 = FeedDataset("/s3", transform=decode)
                 run_loop("gpufeed s3", args.epochs, feed_loader(s3, args), step_s, report)
@@ -287,9 +323,10 @@ def main() -> None:
     summary = {loop.name: [e.samples_s / local_rate for e in loop.epochs] for loop in results}
     print("samples/s as a fraction of local disk's: " + "; ".join(
         f"{name} " + " / ".join(f"{r:.2f}" for r in ratios) for name, ratios in summary.items()))
-    if "gpufeed http" in summary:
-        cold = next(loop for loop in results if loop.name == "gpufeed http").epochs[0]
-        print(f"agent CPU per cold object over HTTP: {cold.agent_cpu_s / args.files * 1000:.2f} ms")
+    for loop in results:
+        if loop.name.startswith("gpufeed"):
+            per_object = {kind: seconds / args.files * 1000 for kind, seconds in loop.epochs[0].cpu_s.items()}
+            print(f"CPU per cold object, {loop.name}: " + ", ".join(f"{kind} {ms:.2f} ms" for kind, ms in per_object.items()))
 
 
 if __name__ == "__main__":
