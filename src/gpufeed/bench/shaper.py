@@ -17,6 +17,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
+
+import uvloop
 
 from gpufeed.bench.children import helper, python_module, until_parent_exits
 
@@ -64,8 +67,7 @@ class _ClientSide(asyncio.Protocol):
         self.connecting: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         self.connecting = asyncio.get_running_loop().create_task(self._connect())  # held: tasks are weakly referenced
 
@@ -120,8 +122,7 @@ class _StoreSide(asyncio.Protocol):
         self.closing = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport = cast(asyncio.Transport, transport)
         if self.client.transport is None or self.client.transport.is_closing():
             transport.close()
             return
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = args.bandwidth * 1e6 if args.bandwidth else None
     shaper = Shaper((host or "127.0.0.1", int(port)), args.latency_ms / 1000, bandwidth)
     try:
-        asyncio.run(_serve(shaper, args.port))
+        uvloop.run(_serve(shaper, args.port))  # the emulated network should take as little of this box's CPU as it can
     except KeyboardInterrupt:
         pass
 
