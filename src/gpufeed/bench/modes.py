@@ -255,7 +255,9 @@ def _copy(run: RunContext) -> Iterator[Prepared]:
 def _cached(run: RunContext) -> Iterator[Prepared]:
     """Epoch 1 starts cold (the run's home, so its cache, is new) with sampler-aware prefetch:
     the agent fetches the samples the workers will read next, in the epoch's order; later
-    epochs are warm. The run's private agent is stopped before its cache dir is removed."""
+    epochs are warm. The agent is started first, as a node's agent runs before a job does: its
+    start-up is not the cold epoch's. The run's private agent is stopped before its cache dir
+    is removed."""
     client = Client(run.settings)
     prefetcher = Prefetcher(client)
     dataset = run.dataset
@@ -268,6 +270,8 @@ def _cached(run: RunContext) -> Iterator[Prepared]:
         )
 
     try:
+        client.agent.stats()
+
         def fetched() -> int:
             return client.agent.stats().bytes_fetched
 
