@@ -23,13 +23,16 @@ def dataset(root: Path, work: Workload) -> str:
     return url
 
 
-def gpufeed(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def gpufeed(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gpufeed", *args],
         capture_output=True,
         text=True,
         env={**os.environ, "COLUMNS": "200", **(env or {})},
         timeout=timeout,
+        cwd=cwd,
     )
 
 

@@ -79,6 +79,22 @@ def _cmdline(proc: Path) -> bytes:
         return b""
 
 
+def test_getitem_reads_a_batch_one_sample_after_another(tmp_path: Path) -> None:
+    work = tiny(samples=16, batch=4, compute=0.0)
+    report = run_bench(BenchConfig(work, dataset(tmp_path, work), modes=(MODES["getitem"],), latency_ms=20))
+    (epoch,) = report.modes[0].epochs
+    assert epoch.latency_p50_ms >= 4 * 20, "each of a batch's 4 samples waits the store's latency in turn"
+    assert epoch.source_bytes == 16 * 114_660
+
+
+def test_local_reads_the_files_in_place_behind_an_emulated_store_for_its_own_epochs(tmp_path: Path) -> None:
+    work = tiny(samples=16, batch=4, compute=0.0)
+    config = BenchConfig(work, dataset(tmp_path, work), modes=(MODES["local"],), latency_ms=1000, mode_epochs={"local": 2})
+    (local,) = run_bench(config).modes
+    assert [e.epoch for e in local.epochs] == [1, 2]
+    assert all(e.source_bytes == 0 and e.latency_p99_ms < 1000 for e in local.epochs), "no batch waited for the store"
+
+
 def test_accelerators_step_in_lockstep(tmp_path: Path) -> None:
     work = tiny(samples=32, batch=4, compute=0.02, accelerators=2)
     report = run_bench(BenchConfig(work, dataset(tmp_path, work), modes=DIRECT))
@@ -128,7 +144,7 @@ def test_a_source_of_another_record_size_is_refused_with_the_way_out(tmp_path: P
     ("args", "needle"),
     [
         (("-w", "resnet", "-s", "file:///tmp"), "unknown workload 'resnet' (valid: resnet50, unet3d, cosmoflow, bert"),
-        (("-w", "bert", "-s", "file:///tmp", "--mode", "direct,warm"), "unknown mode warm (valid: direct, copy, cached"),
+        (("-w", "bert", "-s", "file:///tmp", "--mode", "direct,warm"), "unknown mode warm (valid: direct, getitem, copy"),
         (("-w", "bert",), "--source URL is required"),
         (("-w", "bert", "-s", "file:///tmp", "--json", "/no/such/dir/out.json"), "directory /no/such/dir does not exist"),
         (("-w", "bert", "-s", "https://example.com/x", "--latency-ms", "5", "--samples", "1"), "only plain http"),

@@ -1,9 +1,10 @@
-"""`gpufeed demo` end to end, and Ctrl-C in the middle of it leaves nothing behind."""
+"""`gpufeed demo --quick` end to end, its bad input, and Ctrl-C in the middle of it leaves nothing behind."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from gpufeed.bench.demo import demo_workload
 from gpufeed.bench.runner import OWNER, scratch_dir
-from tests.bench.helpers import gpufeed
+from tests.bench.helpers import gpufeed, one_error_line
 
 
 def _children() -> dict[int, int]:
@@ -48,22 +50,53 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_demo_runs_every_mode_and_cleans_up(tmp_path: Path) -> None:
-    temp = tmp_path / "tmp"
+ROW = re.compile(
+    r"^(local disk|direct|gpufeed cold|gpufeed warm) +([\d,]+) +(\d+)% +(\d+\.\d\d)x +(\d+\.\d\d)x +([\d,]+)$", re.M
+)
+
+
+def test_quick_demo_prints_every_way_with_its_ratios_and_writes_under_home(tmp_path: Path) -> None:
+    temp, cwd = tmp_path / "tmp", tmp_path / "cwd"
     temp.mkdir()
-    result = gpufeed(
-        "demo", "--samples", "1251", "--epochs", "1",
-        "--plot", str(tmp_path / "demo.png"), "--json", str(tmp_path / "demo.json"),
-        env={"TMPDIR": str(temp)}, timeout=60,
-    )
+    cwd.mkdir()
+    result = gpufeed("demo", "--quick", "--json", env={"TMPDIR": str(temp)}, timeout=90, cwd=cwd)
     assert result.returncode == 0, result.stderr
-    assert "direct" in result.stdout and "copy" in result.stdout and "AU" in result.stdout
-    assert f"chart: {tmp_path / 'demo.png'}" in result.stdout
-    assert (tmp_path / "demo.png").stat().st_size > 0
-    modes = {m["mode"]: m for m in json.loads((tmp_path / "demo.json").read_text())["modes"]}
-    # which mode wins is the demo's to show, not a timed assert
-    assert set(modes) >= {"direct", "copy"} and all(0 < m["au"] <= 1 for m in modes.values())
-    assert list(temp.iterdir()) == []
+    out = result.stdout
+    assert "20 ms first-byte latency, 400 MB/s bandwidth cap" in out, "the store's shape is stated"
+    rows = {m[1]: m for m in ROW.finditer(out)}
+    assert list(rows) == ["local disk", "direct", "gpufeed cold", "gpufeed warm"], out
+    assert rows["direct"][4] == "1.00" and rows["local disk"][5] == "1.00", "each baseline is 1.00x itself"
+    assert all(0 < int(m[3]) <= 100 and float(m[4]) > 0 and float(m[5]) > 0 for m in rows.values())
+    assert int(rows["gpufeed warm"][6].replace(",", "")) == 0, "the warm epoch reads nothing from the store"
+    text = " ".join(out.split())  # sentences as printed, whatever the terminal's width wrapped
+    # the reason follows from the settings (8 workers x 1 request, 20 ms), whatever the machine's speed
+    assert "direct starves because every sample waits 20 ms for its first byte" in text
+    assert "at most 8 / 20 ms = 400 samples/s, while the accelerator consumes 1,786." in text
+    assert re.search(r"gpufeed cold epoch: \d+\.\dx direct \(.*\); warm: \d+\.\d\dx local disk", text), out
+    home = Path(os.environ["GPUFEED_HOME"])
+    assert f"chart: {home / 'demo' / 'demo.png'}" in out
+    assert (home / "demo" / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((home / "demo" / "demo.json").read_text())
+    assert [row["way"] for row in data["rows"]] == list(rows)
+    assert data["bench"]["latency_ms"] == 20 and data["bench"]["bandwidth_mbps"] == 400
+    assert list(cwd.iterdir()) == [], "nothing in the current directory"
+    assert list(temp.iterdir()) == [], "the dataset and the run's temp files are gone"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--latency-ms", "-1"), "--latency-ms -1: must be >= 0"),
+        (("--bandwidth", "-5"), "--bandwidth -5: must be >= 0 MB/s (0: no cap)"),
+        (("--samples", "0"), "--samples 0: must be at least 1"),
+        (("--out", "{file}/demo"), "cannot make the output directory"),
+    ],
+)
+def test_bad_input_is_one_line_before_anything_runs(tmp_path: Path, args: tuple[str, ...], needle: str) -> None:
+    (tmp_path / "file").write_text("")
+    argv = [arg.format(file=tmp_path / "file") for arg in args]
+    assert needle in one_error_line(gpufeed("demo", *argv, cwd=tmp_path), 2)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
 
 
 @pytest.mark.parametrize(
@@ -77,10 +110,10 @@ def test_demo_runs_every_mode_and_cleans_up(tmp_path: Path) -> None:
 def test_interrupt_stops_servers_workers_and_removes_temp_files(
     tmp_path: Path, interrupt: Callable[[subprocess.Popen[str]], None]
 ) -> None:
-    temp = tmp_path / "tmp"
+    temp, out = tmp_path / "tmp", tmp_path / "out"
     temp.mkdir()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gpufeed", "demo", "--samples", "1251", "--epochs", "20", "--plot", str(tmp_path / "x.png")],
+    process = subprocess.Popen(  # 200 ms a sample: the direct epoch lasts about half a minute
+        [sys.executable, "-m", "gpufeed", "demo", "--quick", "--latency-ms", "200", "--out", str(out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -90,13 +123,19 @@ def test_interrupt_stops_servers_workers_and_removes_temp_files(
     try:
         assert process.stderr is not None
         for line in process.stderr:
-            if "direct: epoch 1/" in line:
+            if line.startswith("direct: "):
                 break
         else:
             raise AssertionError(f"the demo ended before training: exit code {process.wait()}")
-        started = _descendants(process.pid)
-        names = " | ".join(_cmdline(pid) for pid in started)
-        assert "nginx" in names and "gpufeed.bench.shaper" in names, names
+        workers = demo_workload().workers
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until the forkserver and every loader worker run
+            started = _descendants(process.pid)
+            names = " | ".join(_cmdline(pid) for pid in started)
+            if names.count("forkserver") > workers:
+                break
+            time.sleep(0.1)
+        assert "nginx" in names and "gpufeed.bench.shaper" in names and names.count("forkserver") > workers, names
         interrupt(process)
         _, stderr = process.communicate(timeout=30)
     finally:
@@ -109,7 +148,7 @@ def test_interrupt_stops_servers_workers_and_removes_temp_files(
         time.sleep(0.1)
     assert not left, [_cmdline(pid) for pid in left]
     assert list(temp.iterdir()) == []
-    assert not (tmp_path / "x.png").exists()
+    assert not (out / "demo.png").exists()
 
 
 def test_a_killed_runs_scratch_dir_is_swept_by_the_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

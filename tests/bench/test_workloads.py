@@ -43,7 +43,7 @@ def test_overrides() -> None:
         (lambda: workload("bert", batch=0), "--batch 0"),
         (lambda: workload("bert", scale=0), "--scale 0"),
         (lambda: workload("bert", compute=-1), "--compute -1"),
-        (lambda: parse_modes("direct,cahced"), "unknown mode cahced (valid: direct, copy"),
+        (lambda: parse_modes("direct,cahced"), "unknown mode cahced (valid: direct, getitem, copy"),
     ],
 )
 def test_bad_input_is_one_clear_error(call, needle: str) -> None:  # type: ignore[no-untyped-def]
@@ -52,8 +52,9 @@ def test_bad_input_is_one_clear_error(call, needle: str) -> None:  # type: ignor
     assert needle in str(info.value)
 
 
-def test_modes_registry_default_is_every_mode() -> None:
-    assert [m.name for m in parse_modes(None)] == list(MODES)
+def test_modes_default_is_the_three_ways_a_job_is_fed_from_any_source() -> None:
+    assert [m.name for m in parse_modes(None)] == ["direct", "copy", "cached"]
+    assert {"getitem", "local"} <= set(MODES), "the demo's ways are asked for by name"
     assert [m.name for m in parse_modes("copy, direct,copy")] == ["copy", "direct"]
 
 

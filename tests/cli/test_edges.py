@@ -109,6 +109,9 @@ def test_bench_without_its_extra_says_how_to_get_it(command: list[str], tmp_path
 
 
 def test_demo_refuses_an_output_it_could_not_write_before_running(tmp_path: Path) -> None:
-    assert fails(2, "demo", "--plot", str(tmp_path)) == f"gpufeed: error: {tmp_path}: is a directory; give a file name"
-    assert "does not exist" in fails(2, "demo", "--json", str(tmp_path / "no" / "r.json"))
-    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "demo.png").mkdir()
+    line = fails(2, "demo", "--out", str(tmp_path))
+    assert line == f"gpufeed: error: {tmp_path / 'demo.png'}: is a directory; give a file name"
+    (tmp_path / "file").write_text("")
+    assert "cannot make the output directory: Not a directory" in fails(2, "demo", "--out", str(tmp_path / "file" / "d"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.png", "file"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
+from urllib.parse import unquote, urlsplit
 
 from gpufeed.client import Client, ObjectHandle
 from gpufeed.client.connection import stop_agent
@@ -82,12 +83,15 @@ class RunContext:
 @dataclass(frozen=True)
 class Mode:
     """`mount_options` are added to the source's when the bench mounts it for this mode:
-    where the read path's behaviour (caching) is a mount option, a mode sets it here."""
+    where the read path's behaviour (caching) is a mount option, a mode sets it here.
+    `remote` False mounts the source as given even when the run emulates a remote store:
+    the local-disk baseline reads the files themselves."""
 
     name: str
     summary: str
     prepare: Callable[[RunContext], AbstractContextManager[Prepared]]
     mount_options: Mapping[str, str] = field(default_factory=dict)
+    remote: bool = True
 
 
 # -- direct: every sample through the namespace read path -----------------------------------
@@ -97,20 +101,23 @@ class Mode:
 class NamespaceReaderSpec:
     settings: Settings
     paths: tuple[str, ...]
+    one_by_one: bool = False
 
     def open(self, max_record: int) -> NamespaceReader:
-        return NamespaceReader(Client(self.settings), self.paths)
+        return NamespaceReader(Client(self.settings), self.paths, self.one_by_one)
 
 
 class NamespaceReader:
     """Pins each file's version once per worker (one manifest lookup), then reads each batch
-    through `Client.read_many`, one ranged read per sample. Source bytes are what it read from
-    the source itself: every byte without a cache; with one, the ranges of sparse batches (the
-    blocks are the agent's, counted by the mode)."""
+    through `Client.read_many`, one ranged read per sample, all in flight together; or, `one_by_one`,
+    each sample with its own `read_range` after the one before, as a map-style dataset's
+    `__getitem__` does. Source bytes are what it read from the source itself: every byte without
+    a cache; with one, the ranges of sparse batches (the blocks are the agent's, counted by the mode)."""
 
-    def __init__(self, client: Client, paths: tuple[str, ...]) -> None:
+    def __init__(self, client: Client, paths: tuple[str, ...], one_by_one: bool = False) -> None:
         self.client = client
         self.paths = paths
+        self.one_by_one = one_by_one
         self.handles: dict[int, ObjectHandle] = {}
 
     @property
@@ -124,6 +131,8 @@ class NamespaceReader:
         return handle
 
     def read_batch(self, reads: list[tuple[int, int, int]]) -> list[int]:
+        if self.one_by_one:
+            return [len(self.client.read_range(self._handle(file), start, end)) for file, start, end in reads]
         data = self.client.read_many([(self._handle(file), start, end) for file, start, end in reads])
         return [len(piece) for piece in data]
 
@@ -134,6 +143,14 @@ class NamespaceReader:
 @contextmanager
 def _direct(run: RunContext) -> Iterator[Prepared]:
     yield Prepared(NamespaceReaderSpec(run.settings, run.dataset.paths))
+
+
+@contextmanager
+def _getitem(run: RunContext) -> Iterator[Prepared]:
+    """How people read object storage from a DataLoader today: a map-style dataset whose
+    `__getitem__` GETs one sample, so the store sees the loader's own concurrency, workers x 1
+    request, and each sample waits a full first-byte latency."""
+    yield Prepared(NamespaceReaderSpec(run.settings, run.dataset.paths, one_by_one=True))
 
 
 # -- copy: the whole dataset to local disk first, then train from it --------------------------
@@ -199,6 +216,24 @@ def copy_dataset(client: Client, dataset: Dataset, target: Path) -> tuple[str, .
 
 
 @contextmanager
+def _local(run: RunContext) -> Iterator[Prepared]:
+    """The files of a file:// source read where they lie: what a job with the dataset on its
+    own disk gets, the baseline the other modes are measured against."""
+    client = Client(run.settings)
+    try:
+        local = []
+        for path in run.dataset.paths:
+            handle = client.handle(path)
+            parts = urlsplit(handle.mount.url)
+            if parts.scheme != "file":
+                raise InvalidArgument(f"mode local reads file:// sources only, not {handle.mount.url}")
+            local.append(str(Path(unquote(parts.path)) / handle.info.key))
+    finally:
+        client.close()
+    yield Prepared(LocalReaderSpec(tuple(local)))
+
+
+@contextmanager
 def _copy(run: RunContext) -> Iterator[Prepared]:
     target = run.workdir / "copy"
     client = Client(run.settings)
@@ -220,7 +255,9 @@ def _copy(run: RunContext) -> Iterator[Prepared]:
 def _cached(run: RunContext) -> Iterator[Prepared]:
     """Epoch 1 starts cold (the run's home, so its cache, is new) with sampler-aware prefetch:
     the agent fetches the samples the workers will read next, in the epoch's order; later
-    epochs are warm. The run's private agent is stopped before its cache dir is removed."""
+    epochs are warm. The agent is started first, as a node's agent runs before a job does: its
+    start-up is not the cold epoch's. The run's private agent is stopped before its cache dir
+    is removed."""
     client = Client(run.settings)
     prefetcher = Prefetcher(client)
     dataset = run.dataset
@@ -233,6 +270,8 @@ def _cached(run: RunContext) -> Iterator[Prepared]:
         )
 
     try:
+        client.agent.stats()
+
         def fetched() -> int:
             return client.agent.stats().bytes_fetched
 
@@ -246,17 +285,38 @@ def _cached(run: RunContext) -> Iterator[Prepared]:
 MODES: dict[str, Mode] = {
     mode.name: mode
     for mode in (
-        Mode("direct", "every sample read from the source through the namespace, no cache", _direct, NO_CACHE),
+        Mode(
+            "direct",
+            "every batch read from the source through the namespace, its samples in flight together, no cache",
+            _direct,
+            NO_CACHE,
+        ),
+        Mode(
+            "getitem",
+            "each worker reads one sample at a time from the source, as a plain map-style dataset does "
+            "(workers x 1 request in flight), no cache",
+            _getitem,
+            NO_CACHE,
+        ),
         Mode("copy", "the dataset copied to local disk first (copy time counted), then read locally", _copy, NO_CACHE),
         Mode("cached", "read through the node cache: epoch 1 cold, later epochs from local blocks", _cached),
+        Mode(
+            "local",
+            "a file:// source's files read in place with open+pread, never through an emulated remote: the baseline",
+            _local,
+            NO_CACHE,
+            remote=False,
+        ),
     )
 }
+DEFAULT_MODES = ("direct", "copy", "cached")
+"""What `gpufeed bench` runs unless --mode says otherwise."""
 
 
 def parse_modes(text: str | None) -> list[Mode]:
     """`direct,copy` into modes; unknown names are refused naming the valid ones."""
     if not text:
-        return list(MODES.values())
+        return [MODES[name] for name in DEFAULT_MODES]
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in MODES]
     if unknown or not names:

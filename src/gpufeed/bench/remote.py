@@ -28,6 +28,14 @@ def _shaped(url: str, port: int) -> str:
     return urlunsplit(parts._replace(netloc=f"127.0.0.1:{port}"))
 
 
+def check_shape(latency_ms: float, bandwidth_mbps: float | None) -> None:
+    """Refuse a store shape the shaper cannot emulate, before anything is started."""
+    if latency_ms < 0:
+        raise InvalidArgument(f"--latency-ms {latency_ms:g}: must be >= 0")
+    if bandwidth_mbps is not None and bandwidth_mbps <= 0:
+        raise InvalidArgument(f"--bandwidth {bandwidth_mbps:g}: must be > 0 MB/s")
+
+
 @contextmanager
 def emulate_remote(
     url: str, options: dict[str, str], latency_ms: float, bandwidth_mbps: float | None, run_dir: Path
@@ -36,10 +44,7 @@ def emulate_remote(
     from gpufeed.bench.server import serving  # aiohttp's server: only a run that emulates a store needs it
     from gpufeed.bench.shaper import shaping
 
-    if latency_ms < 0:
-        raise InvalidArgument(f"--latency-ms {latency_ms}: must be >= 0")
-    if bandwidth_mbps is not None and bandwidth_mbps <= 0:
-        raise InvalidArgument(f"--bandwidth {bandwidth_mbps}: must be > 0 MB/s")
+    check_shape(latency_ms, bandwidth_mbps)
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     with ExitStack() as stack:

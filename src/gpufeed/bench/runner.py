@@ -14,7 +14,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,7 +22,7 @@ from pathlib import Path
 from gpufeed.bench.dataset import Dataset
 from gpufeed.bench.loader import DataLoader
 from gpufeed.bench.metrics import BenchReport, ModeResult
-from gpufeed.bench.modes import MODES, Mode, RunContext
+from gpufeed.bench.modes import DEFAULT_MODES, MODES, Mode, RunContext
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS, emulate_remote
 from gpufeed.bench.train import train_epoch
 from gpufeed.bench.workloads import Workload
@@ -39,15 +39,17 @@ Progress = Callable[[str], None]
 @dataclass(frozen=True)
 class BenchConfig:
     """latency_ms / bandwidth_mbps: None for both reads the source as it is; either one set
-    makes it remote (latency defaults to DEFAULT_LATENCY_MS)."""
+    makes it remote (latency defaults to DEFAULT_LATENCY_MS). `mode_epochs` gives a mode
+    another number of epochs than the workload's (a baseline needs fewer)."""
 
     work: Workload
     source: str
     options: dict[str, str] = field(default_factory=dict)
-    modes: tuple[Mode, ...] = tuple(MODES.values())
+    modes: tuple[Mode, ...] = tuple(MODES[name] for name in DEFAULT_MODES)
     latency_ms: float | None = None
     bandwidth_mbps: float | None = None
     seed: int = 0
+    mode_epochs: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.modes:
@@ -124,6 +126,8 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
 
 def run_mode(mode: Mode, run: RunContext, config: BenchConfig) -> ModeResult:
     work = config.work
+    epochs_to_run = config.mode_epochs.get(mode.name, work.epochs)
+    run.progress(f"{mode.name}: {mode.summary}")
     with mode.prepare(run) as prepared:
         if prepared.setup_s:
             run.progress(f"{mode.name}: set-up took {prepared.setup_s:.1f} s")
@@ -138,13 +142,13 @@ def run_mode(mode: Mode, run: RunContext, config: BenchConfig) -> ModeResult:
         )
         epochs = []
         with loader:
-            for epoch in range(1, work.epochs + 1):
+            for epoch in range(1, epochs_to_run + 1):
                 fetched = prepared.source_bytes() if prepared.source_bytes else 0
                 result = train_epoch(mode.name, loader, epoch, work, run.dataset.record_size)
                 if prepared.source_bytes:
                     result = replace(result, source_bytes=result.source_bytes + prepared.source_bytes() - fetched)
                 run.progress(
-                    f"{mode.name}: epoch {epoch}/{work.epochs}: AU {result.au:.0%}, "
+                    f"{mode.name}: epoch {epoch}/{epochs_to_run}: AU {result.au:.0%}, "
                     f"{result.samples_per_s:,.0f} samples/s, {result.epoch_s:.1f} s"
                 )
                 epochs.append(result)
@@ -153,12 +157,14 @@ def run_mode(mode: Mode, run: RunContext, config: BenchConfig) -> ModeResult:
 
 def run_bench(config: BenchConfig, progress: Progress = lambda line: None) -> BenchReport:
     """Each mode mounts the source at MOUNT/<mode> with its own mount options (a cached
-    mode and an uncached one differ there), runs, and unmounts."""
+    mode and an uncached one differ there), runs, and unmounts. Every mode reads the emulated
+    remote store when there is one, but a mode that is not `remote` (the local baseline)."""
     latency = config.latency_ms if config.latency_ms is not None else DEFAULT_LATENCY_MS
     with interruptible(), ExitStack() as stack:
         workdir = stack.enter_context(scratch_dir("gpufeed-bench-"))
         settings = private_settings(workdir / "home")
-        url, options = config.source, dict(config.options)
+        given = (config.source, dict(config.options))
+        url, options = given
         if config.remote:
             run_dir = workdir / "run"
             run_dir.mkdir()
@@ -171,7 +177,8 @@ def run_bench(config: BenchConfig, progress: Progress = lambda line: None) -> Be
         report: BenchReport | None = None
         for mode in config.modes:
             path = f"{MOUNT}/{mode.name}"
-            namespace.add_mount(path, url, {**options, **mode.mount_options}, immutable=True)
+            mount_url, mount_options = (url, options) if mode.remote else given
+            namespace.add_mount(path, mount_url, {**mount_options, **mode.mount_options}, immutable=True)
             try:
                 dataset = Dataset.from_mount(client, path, config.work)
                 if report is None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from gpufeed.bench.modes import MODES, parse_modes
+from gpufeed.bench.modes import DEFAULT_MODES, MODES, parse_modes
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS
 from gpufeed.bench.workloads import WORKLOADS, Workload, workload
 from gpufeed.cli.console import err, human_bytes, out
@@ -31,7 +31,9 @@ SAMPLES_PER_FILE = typer.Option(None, "--samples-per-file", help="Records per fi
 RECORD_SIZE = typer.Option(None, "--record-size", help="Bytes per sample.")
 OPTIONS = typer.Option([], "--opt", "-o", help="Source option key=value, as for 'mount add' (repeatable).")
 SEED = typer.Option(0, "--seed", help="Seed for data and shuffles.")
-MODE_HELP = "Comma-separated modes, default all: " + "; ".join(f"{m.name}: {m.summary}" for m in MODES.values())
+MODE_HELP = f"Comma-separated modes, default {','.join(DEFAULT_MODES)}. " + "; ".join(
+    f"{m.name}: {m.summary}" for m in MODES.values()
+)
 
 
 EXTRA = ("matplotlib",)  # what `pip install 'gpufeed[bench]'` adds to the core dependencies
