@@ -21,9 +21,11 @@ shaper (first byte --latency-ms after each request). Loops:
   which would charge a benchmark's own clean-up to the cold epoch after it.
 
 Printed per loop and epoch: samples/s, accelerator busy %, the ratio of samples/s to local
-disk's (the mean of its epochs in this run), the CPU seconds (from /proc) of the node agent, of
-the latency shaper (the emulated network: on a real node this CPU is not spent) and of the
-store server, and the bytes fetched from the store against the dataset's size.
+disk's (in the table, to its first loop; in the summary, to the mean of that loop and one more
+after all the others, which shows how much this machine drifted during the run), the CPU
+seconds (from /proc) of the node agent, of the latency shaper (the emulated network: on a real
+node this CPU is not spent) and of the store server, and the bytes fetched from the store
+against the dataset's size.
 """
 
 from __future__ import annotations
@@ -370,6 +372,11 @@ def main() -> None:
                 store = S3Store(BUCKET, endpoint=f"http://127.0.0.1:{shaped}", client_options={"allow_http": True})
                 gets["gpufeed s3"] = bare_get_ms(store, [f"train/{name}" for name in names])
                 run_loop("gpufeed s3", args.epochs, feed_loader(s3, args), step_s, report)
+
+        after = run_loop("local disk, again", args.epochs, local_loader, step_s, report)
+        local_rate = statistics.mean(e.samples_s for e in local.epochs + after.epochs)
+        print(f"local disk fed {statistics.mean(e.samples_s for e in local.epochs):,.0f} samples/s before the other loops "
+              f"and {statistics.mean(e.samples_s for e in after.epochs):,.0f} after them; the ratios below are to the mean")
 
     summary = {loop.name: [e.samples_s / local_rate for e in loop.epochs] for loop in results}
     print("samples/s as a fraction of local disk's: " + "; ".join(
