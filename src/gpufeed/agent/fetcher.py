@@ -233,24 +233,27 @@ class Fetcher:
     def prefetch(self, session: Session, jobs: list[Job]) -> None:
         """Queue blocks a job will read soon, in the order asked, at most PREFETCH_CONCURRENCY at
         a time so demand reads keep their slots."""
+        asked = time.monotonic()
         for job in jobs:
-            task = asyncio.create_task(self._prefetch_one(session, job))
+            task = asyncio.create_task(self._prefetch_one(session, job, asked))
             session.tasks.add(task)
             task.add_done_callback(session.tasks.discard)
 
-    async def _prefetch_one(self, session: Session, job: Job) -> None:
+    async def _prefetch_one(self, session: Session, job: Job, asked: float) -> None:
         assert self._prefetch_slots is not None
         async with self._prefetch_slots:
             if session.cancelled or (session.pin and not self.sessions.room_to_pin()):
                 return
             try:
-                status, _ = await self.ensure(job)
+                status, fetched = await self.ensure(job)
             except Exception as exc:  # a hint that failed: the demand read will fetch or report
                 self.metrics.count("prefetch_errors")
                 log.debug("prefetch of block %d of %s failed: %s", job.index, job.want.info.key, exc)
                 return
             if status == "ok":
                 self.sessions.pin(session, job.block.name)
+            if fetched:
+                self.metrics.prefetch_time(time.monotonic() - asked)
 
     def start(self) -> None:
         """Bind to the running event loop."""

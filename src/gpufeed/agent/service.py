@@ -135,7 +135,7 @@ class Agent:
             owned.add(session.name)
         jobs = self.fetcher.jobs(request.groups)
         self.fetcher.prefetch(session, jobs)
-        return Queued(len(jobs), self.metrics.latency_s)
+        return Queued(len(jobs), self.metrics.prefetch_s)
 
     async def _cancel(self, request: Cancel, owned: set[str]) -> Reply:
         self.sessions.cancel(request.session)

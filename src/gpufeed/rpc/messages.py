@@ -142,7 +142,8 @@ class Fetched(msgspec.Struct, tag="fetched"):
 class Queued(msgspec.Struct, tag="queued"):
     queued: int
     latency_s: float
-    """The store's first-byte latency as the agent measures it: prefetch windows are sized from it."""
+    """How long a prefetched block takes from being asked for to being on disk, as the agent
+    measures it (`Metrics.prefetch_s`): prefetch windows are sized from it."""
 
 
 class Cleared(msgspec.Struct, tag="cleared"):
