@@ -116,6 +116,8 @@ class AgentClient:
         self.primary = settings.cache_dirs[0]
         self._local = threading.local()
         self._hello: AgentInfo | None = None
+        self._dirs: tuple[Path, ...] = ()
+        self._dirs_of: AgentInfo | None = None
         self._start_after = 0.0
         self._start_lock = threading.Lock()
         self.timeout = max(120.0, 2 * settings.request_timeout + settings.retry_timeout)
@@ -248,7 +250,11 @@ class AgentClient:
 
     @property
     def dirs(self) -> tuple[Path, ...]:
-        return tuple(Path(d) for d in self.hello().dirs)
+        """The agent's cache dirs, as of its last handshake (every new handle asks: made once)."""
+        hello = self.hello()
+        if self._dirs_of is not hello:
+            self._dirs, self._dirs_of = tuple(Path(d) for d in hello.dirs), hello
+        return self._dirs
 
 
 def _nothing() -> None:
