@@ -39,10 +39,10 @@ class Collector:
 
     def collect(self) -> Iterator[Metric]:
         m = self.metrics
-        yield from _by_tier("hits", "Blocks read from the cache, by tier (disk) and mount", m.hits)
-        yield from _by_tier("hit_bytes", "Bytes readers read from cached blocks", m.hit_bytes)
-        yield from _by_tier("misses", "Blocks fetched after a miss, by where from (store) and mount", m.misses)
-        yield from _by_tier("miss_bytes", "Bytes fetched after a miss", m.miss_bytes)
+        yield _by_tier("hits", "Blocks read from the cache, by tier (disk) and mount", m.hits)
+        yield _by_tier("hit_bytes", "Bytes readers read from cached blocks", m.hit_bytes)
+        yield _by_tier("misses", "Blocks fetched after a miss, by where from (store) and mount", m.misses)
+        yield _by_tier("miss_bytes", "Bytes fetched after a miss", m.miss_bytes)
         stall = CounterMetricFamily(
             "gpufeed_stall_seconds", "Seconds readers' reads waited on misses, summed over readers", labels=["mount"]
         )
@@ -68,11 +68,11 @@ class Collector:
             yield GaugeMetricFamily(f"gpufeed_{name}", what, value=value)
 
 
-def _by_tier(name: str, what: str, counts: dict[tuple[str, str], int]) -> Iterator[Metric]:
+def _by_tier(name: str, what: str, counts: dict[tuple[str, str], int]) -> Metric:
     family = CounterMetricFamily(f"gpufeed_{name}", what, labels=["tier", "mount"])
     for (mount, tier), value in sorted(counts.items()):
         family.add_metric([tier, mount], value)
-    yield family
+    return family
 
 
 def _labelled(name: str, what: str, label: str, counts: dict[str, int]) -> Metric:

@@ -140,8 +140,15 @@ def top(
     agent = running_agent(Settings.from_env())
     pid = agent.stats(start=False).pid
     before = _usage(agent)
-    if once or as_json:
-        while True:
+    try:
+        if out.is_terminal and not (once or as_json):
+            with Live(console=out, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    after = _usage(agent)
+                    live.update(render(snapshot(before, after, pid)), refresh=True)
+                    before = after
+        while True:  # --once, --json, or not a terminal: one view per interval, printed
             time.sleep(interval)
             after = _usage(agent)
             shot = snapshot(before, after, pid)
@@ -152,13 +159,6 @@ def top(
             if once:
                 return
             before = after
-    try:
-        with Live(console=out, auto_refresh=False, screen=False) as live:
-            while True:
-                time.sleep(interval)
-                after = _usage(agent)
-                live.update(render(snapshot(before, after, pid)), refresh=True)
-                before = after
     except KeyboardInterrupt:
         pass  # Ctrl-C is how a live view ends
 
