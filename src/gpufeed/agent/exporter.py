@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterator
+from importlib import resources
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -101,18 +102,24 @@ def text(reg: CollectorRegistry) -> str:
 
 
 async def serve(reg: CollectorRegistry, host: str, port: int) -> Callable[[], Awaitable[None]]:
-    """Serve /metrics (and / for a person) on the running loop; returns the coroutine function
-    that stops it. aiohttp is loaded only when an address was asked for."""
+    """Serve /metrics, and at / the live dashboard for a person (one static page that reads
+    /metrics every second), on the running loop; returns the coroutine function that stops it.
+    aiohttp is loaded only when an address was asked for."""
     from aiohttp import web
+
+    page = resources.files("gpufeed.agent").joinpath("dashboard.html").read_bytes()
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(reg), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def dashboard(request: web.Request) -> web.Response:
+        return web.Response(body=page, content_type="text/html", charset="utf-8")
+
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/", metrics)
+    app.router.add_get("/", dashboard)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
-    log.info("metrics on http://%s:%d/metrics", host if ":" not in host else f"[{host}]", port)
+    log.info("metrics on http://%s:%d/metrics, dashboard at /", host if ":" not in host else f"[{host}]", port)
     return runner.cleanup
