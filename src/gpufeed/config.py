@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,9 @@ class Settings:
     open_blocks: block files a reading process keeps open and mapped between hits
         (`GPUFEED_OPEN_BLOCKS`, 4096; 0 opens and closes one on every hit), at most a quarter of
         its open-file limit.
+    metrics_addr: `GPUFEED_METRICS_ADDR`, HOST:PORT (or PORT, on 127.0.0.1) where the agent
+        serves Prometheus metrics; empty: not served (`gpufeed metrics` works all the same).
+    log_format: `GPUFEED_LOG_FORMAT` = text | json, how the agent logs.
     """
 
     home: Path
@@ -73,6 +77,8 @@ class Settings:
     verify: bool
     agent_idle_timeout: float
     open_blocks: int
+    metrics_addr: str = ""
+    log_format: str = "text"
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -91,7 +97,35 @@ class Settings:
             verify=parse_verify(os.environ.get("GPUFEED_VERIFY") or "always", "GPUFEED_VERIFY"),
             agent_idle_timeout=_float_env("GPUFEED_AGENT_IDLE_TIMEOUT", 300.0),
             open_blocks=int(_float_env("GPUFEED_OPEN_BLOCKS", 4096)),
+            metrics_addr=_checked(os.environ.get("GPUFEED_METRICS_ADDR", ""), parse_addr, "GPUFEED_METRICS_ADDR"),
+            log_format=_checked(os.environ.get("GPUFEED_LOG_FORMAT") or "text", parse_log_format, "GPUFEED_LOG_FORMAT"),
         )
+
+
+def _checked(text: str, parse: Callable[[str, str], object], what: str) -> str:
+    """`text` once `parse` accepts it (it raises InvalidArgument naming `what`); empty passes."""
+    if text:
+        parse(text, what)
+    return text
+
+
+def parse_addr(text: str, what: str = "--metrics-addr") -> tuple[str, int]:
+    """'HOST:PORT', '[v6]:PORT', ':PORT' or 'PORT' → (host, port); no host means 127.0.0.1 only."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]") if sep else ""
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        from gpufeed.errors import InvalidArgument
+
+        raise InvalidArgument(f"{what} {text!r}: expected HOST:PORT or PORT, e.g. 127.0.0.1:9400")
+    return host or "127.0.0.1", int(port)
+
+
+def parse_log_format(text: str, what: str = "--log-format") -> str:
+    if text in ("text", "json"):
+        return text
+    from gpufeed.errors import InvalidArgument
+
+    raise InvalidArgument(f"{what}={text!r}: expected text or json")
 
 
 def parse_verify(text: str, what: str = "verify") -> bool:

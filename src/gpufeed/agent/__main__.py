@@ -7,14 +7,15 @@ benchmark. `gpufeed agent` runs the same `main`.
 from __future__ import annotations
 
 import argparse
-import logging
+import dataclasses
 import sys
 from pathlib import Path
 
 from gpufeed.agent.manager import AgentConfig
 from gpufeed.agent.service import run_agent
-from gpufeed.config import Settings, parse_size
+from gpufeed.config import Settings, parse_addr, parse_log_format, parse_size
 from gpufeed.errors import GpufeedError
+from gpufeed.logs import configure
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,10 +23,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", action="append", type=Path, default=[], help="cache dir (repeatable)")
     parser.add_argument("--cache-size", help="quota, e.g. 200GiB; always bounded by free space")
     parser.add_argument("--idle-timeout", type=float, help="exit after this many seconds without clients")
+    parser.add_argument("--metrics-addr", help="serve Prometheus metrics on HOST:PORT (PORT alone: 127.0.0.1)")
+    parser.add_argument("--log-format", help="text (default) or json: one JSON object per line")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
     try:
         settings = Settings.from_env()
+        if args.metrics_addr is not None:
+            parse_addr(args.metrics_addr)
+            settings = dataclasses.replace(settings, metrics_addr=args.metrics_addr)
+        if args.log_format is not None:
+            settings = dataclasses.replace(settings, log_format=parse_log_format(args.log_format))
+        configure(settings.log_format)
         dirs = tuple(d.expanduser().absolute() for d in args.cache_dir) or settings.cache_dirs
         size = parse_size(args.cache_size, "--cache-size") if args.cache_size else settings.cache_size
         run_agent(AgentConfig(dirs, size, settings.cache_free_ratio, args.idle_timeout), settings)

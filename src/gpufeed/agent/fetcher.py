@@ -50,6 +50,8 @@ class Job:
     want: ObjectWant
     blocks: ObjectBlocks
     index: int
+    mount: str = ""
+    """The mount the reader named (`Group.mount`): misses are counted by it."""
 
     @property
     def block(self) -> BlockId:
@@ -79,9 +81,7 @@ class StoreBlocks:
     async def read(self, job: Job, start: int, end: int) -> memoryview:
         began = time.monotonic()
         data = await job.source.get_range_async(job.want.info.key, start, end, job.want.info, conditional=job.want.check)
-        self.metrics.store_latency(time.monotonic() - began)
-        self.metrics.count("misses")
-        self.metrics.count("bytes_fetched", len(data))
+        self.metrics.fetched(job.mount, "store", len(data), time.monotonic() - began)
         if len(data) != end - start:  # the object shrank or grew: never publish a short block
             raise errors.ObjectChanged(f"{job.want.info.key}: the source returned {len(data)} bytes for [{start}, {end})")
         return data
@@ -131,7 +131,7 @@ class Fetcher:
                     raise errors.InvalidArgument(str(exc)) from None
                 if any(not 0 <= i < blocks.count for i in want.blocks):
                     raise errors.InvalidArgument(f"a block index is outside {info.key} ({info.size} bytes)")
-                jobs.extend(Job(number, source, want, blocks, index) for index in want.blocks)
+                jobs.extend(Job(number, source, want, blocks, index, group.mount) for index in want.blocks)
                 number += 1
                 if len(jobs) > MAX_BLOCKS_PER_REQUEST:
                     raise errors.InvalidArgument(f"more than {MAX_BLOCKS_PER_REQUEST} blocks in one request")
@@ -146,10 +146,12 @@ class Fetcher:
                 status, got = await self.ensure(job, job.index in job.want.repair)
             except errors.GpufeedError as exc:
                 reply.failures.append(Failure(exc.code, str(exc), job.number))
+                self.metrics.errors[exc.code] += 1
                 return
             except Exception as exc:  # one block's bug or I/O error fails that read, not its neighbours
                 log.exception("block %d of %s", job.index, job.want.info.key)
                 reply.failures.append(Failure(errors.SourceError.code, f"agent: {exc}", job.number))
+                self.metrics.errors[errors.SourceError.code] += 1
                 return
             reply.fetched += got
             if status == "uncached":

@@ -19,17 +19,19 @@ import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import uvloop
 
 from gpufeed import errors
+from gpufeed.agent import exporter
 from gpufeed.agent.fetcher import Fetcher
 from gpufeed.agent.manager import AgentConfig, CacheManager
-from gpufeed.agent.metrics import Metrics
+from gpufeed.agent.metrics import OTHER, Metrics
 from gpufeed.agent.sessions import Sessions
-from gpufeed.config import Settings
+from gpufeed.config import Settings, parse_addr
 from gpufeed.errors import GpufeedError
 from gpufeed.rpc import codec
 from gpufeed.rpc.messages import (
@@ -42,18 +44,33 @@ from gpufeed.rpc.messages import (
     Fetch,
     Hello,
     Hits,
+    MetricsText,
+    MountUsage,
     Prefetch,
     Queued,
+    ReaderUsage,
     Refused,
     Reply,
     Request,
     Shutdown,
     Stats,
+    Usage,
+    UsageInfo,
 )
+from gpufeed.rpc.messages import Metrics as MetricsRequest
 
 log = logging.getLogger("gpufeed.agent")
 
 _PEER = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+@dataclass
+class Connection:
+    """One reader's connection: its process (SO_PEERCRED) and the prefetch sessions it started,
+    which end when it closes."""
+
+    pid: int
+    owned: set[str] = field(default_factory=set)
 
 
 class AgentLocked(Exception):
@@ -84,6 +101,7 @@ class Agent:
 
     def __init__(self, config: AgentConfig, settings: Settings) -> None:
         self.config = config
+        self.metrics_addr = settings.metrics_addr
         self.metrics = Metrics()
         self.manager = CacheManager(config, self.metrics)
         self.sessions = Sessions(self.manager, self.metrics)
@@ -92,7 +110,8 @@ class Agent:
         self.connections = 0
         self.last_activity = time.monotonic()
         self._stop: asyncio.Event | None = None
-        self._handlers: dict[type, Callable[[Any, set[str]], Awaitable[Reply | None]]] = {
+        self.registry = exporter.registry(self.metrics, self.gauges)
+        self._handlers: dict[type, Callable[[Any, Connection], Awaitable[Reply | None]]] = {
             Hello: self._hello,
             Stats: self._stats,
             Fetch: self._fetch,
@@ -101,7 +120,11 @@ class Agent:
             Hits: self._hits,
             Clear: self._clear,
             Shutdown: self._shutdown,
+            MetricsRequest: self._metrics,
+            Usage: self._usage,
         }
+        self._kinds = {kind: kind.__name__.lower() for kind in self._handlers}
+        """Request type → its `kind` label (the message's tag)."""
 
     def info(self) -> AgentInfo:
         manager = self.manager
@@ -120,56 +143,113 @@ class Agent:
             **self.metrics.counters(),
         )
 
-    async def _hello(self, request: Hello, owned: set[str]) -> Reply:
+    def gauges(self) -> list[tuple[str, str, float]]:
+        """What the agent holds now, for the exporter."""
+        manager = self.manager
+        return [
+            ("cache_bytes", "Bytes of blocks in the cache", manager.policy.bytes),
+            ("cache_limit_bytes", "The quota, bounded by the free space the cache disks keep", manager.limit()),
+            ("cache_quota_bytes", "The configured quota", self.config.cache_size),
+            ("cache_blocks", "Blocks in the cache", len(manager.policy)),
+            ("pinned_bytes", "Bytes of prefetched blocks kept until read", self.sessions.pinned_bytes),
+            ("prefetch_queued", "Blocks queued or being fetched for prefetch sessions", self._queued()),
+            ("prefetch_ahead_blocks", "Prefetched blocks not read yet: how far prefetch runs ahead",
+             len(self.sessions.pinned)),
+            ("fetches_in_flight", "Blocks (or whole objects) being fetched now", len(self.fetcher.inflight)),
+            ("clients", "Reader connections", self.connections),
+        ]
+
+    def _queued(self) -> int:
+        return sum(len(session.tasks) for session in self.sessions.sessions.values())
+
+    async def _hello(self, request: Hello, conn: Connection) -> Reply:
         return self.info()
 
-    async def _stats(self, request: Stats, owned: set[str]) -> Reply:
+    async def _stats(self, request: Stats, conn: Connection) -> Reply:
         return self.info()
 
-    async def _fetch(self, request: Fetch, owned: set[str]) -> Reply:
-        return await self.fetcher.fetch(request.groups)
+    async def _fetch(self, request: Fetch, conn: Connection) -> Reply:
+        reply = await self.fetcher.fetch(request.groups)
+        if (reader := self.metrics.readers.get(conn.pid)) is not None:
+            reader.fetched_bytes += reply.fetched
+        return reply
 
-    async def _prefetch(self, request: Prefetch, owned: set[str]) -> Reply:
+    async def _prefetch(self, request: Prefetch, conn: Connection) -> Reply:
         session, created = self.sessions.open(request.session, request.pin)
         if created:
-            owned.add(session.name)
+            conn.owned.add(session.name)
         jobs = self.fetcher.jobs(request.groups)
         self.fetcher.prefetch(session, jobs)
         return Queued(len(jobs), self.metrics.prefetch_s)
 
-    async def _cancel(self, request: Cancel, owned: set[str]) -> Reply:
+    async def _cancel(self, request: Cancel, conn: Connection) -> Reply:
         self.sessions.cancel(request.session)
         return Done()
 
-    async def _hits(self, request: Hits, owned: set[str]) -> Reply | None:
+    async def _hits(self, request: Hits, conn: Connection) -> Reply | None:
         self.sessions.hits(request.names)
+        self.metrics.served(conn.pid, request.served)
         return Done() if request.reply else None
 
-    async def _clear(self, request: Clear, owned: set[str]) -> Reply:
+    async def _clear(self, request: Clear, conn: Connection) -> Reply:
         return Cleared(self.manager.evict_to(0))
 
-    async def _shutdown(self, request: Shutdown, owned: set[str]) -> Reply:
+    async def _shutdown(self, request: Shutdown, conn: Connection) -> Reply:
         assert self._stop is not None
         self._stop.set()
         return Done()
 
-    async def answer(self, request: Request, owned: set[str]) -> Reply | None:
-        """One request; `owned` collects the prefetch sessions this connection started, which
-        end when it closes. None: a one-way message."""
+    async def _metrics(self, request: MetricsRequest, conn: Connection) -> Reply:
+        return MetricsText(exporter.text(self.registry))
+
+    async def _usage(self, request: Usage, conn: Connection) -> Reply:
+        m = self.metrics
+        mounts = {mount for mount, _ in [*m.hits, *m.misses]} | set(m.stall_s)
+        manager = self.manager
+        return UsageInfo(
+            time=time.monotonic(),
+            bytes=manager.policy.bytes,
+            limit=manager.limit(),
+            quota=self.config.cache_size,
+            blocks=len(manager.policy),
+            clients=self.connections,
+            prefetch_queued=self._queued(),
+            prefetch_ahead=len(self.sessions.pinned),
+            mounts=[
+                MountUsage(
+                    mount,
+                    sum(n for (where, _), n in m.hits.items() if where == mount),
+                    sum(n for (where, _), n in m.hit_bytes.items() if where == mount),
+                    sum(n for (where, _), n in m.misses.items() if where == mount),
+                    sum(n for (where, _), n in m.miss_bytes.items() if where == mount),
+                    m.stall_s[mount],
+                )
+                for mount in sorted(mounts, key=lambda name: (name == OTHER, name))
+            ],
+            readers=[
+                ReaderUsage(pid, r.hits, r.hit_bytes, r.fetched_bytes, r.stall_s) for pid, r in sorted(m.readers.items())
+            ],
+        )
+
+    async def answer(self, request: Request, conn: Connection) -> Reply | None:
+        """One request from `conn`. None: a one-way message."""
+        kind = type(request)
+        self.metrics.requests[self._kinds[kind]] += 1
         try:
-            return await self._handlers[type(request)](request, owned)
+            return await self._handlers[kind](request, conn)
         except GpufeedError as exc:
+            self.metrics.errors[exc.code] += 1
             return Refused(Failure(exc.code, str(exc)))
         except Exception as exc:  # one bad request must not take the node's cache down
             log.exception("%s request failed", type(request).__name__)
+            self.metrics.errors[errors.SourceError.code] += 1
             return Refused(Failure(errors.SourceError.code, f"agent: {exc}"))
 
-    def _trusted(self, writer: asyncio.StreamWriter) -> bool:
-        """Only this agent's own user (or root) may use it: the socket has no file permissions,
-        and the agent reads stores with its own credentials into a private cache dir."""
+    def _peer(self, writer: asyncio.StreamWriter) -> tuple[int, int]:
+        """The connected process's pid and uid."""
         sock: socket.socket = writer.get_extra_info("socket")
-        _, uid, _ = _PEER.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER.size))
-        return uid in (os.getuid(), 0)
+        pid, uid, _ = _PEER.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER.size))
+        return pid, uid
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The first message must be a Hello of this protocol version."""
@@ -186,17 +266,21 @@ class Agent:
         return False
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not self._trusted(writer):
+        pid, uid = self._peer(writer)
+        if uid not in (os.getuid(), 0):
+            # only this agent's own user (or root) may use it: the socket has no file permissions,
+            # and the agent reads stores with its own credentials into a private cache dir
             log.warning("refused a client of another user")
             writer.close()
             return
         self.connections += 1
-        owned: set[str] = set()
+        conn = Connection(pid)
+        self.metrics.connected(pid)
         try:
             if await self._handshake(reader, writer):
                 while (request := await codec.read_request(reader)) is not None:
                     self.last_activity = time.monotonic()
-                    reply = await self.answer(request, owned)
+                    reply = await self.answer(request, conn)
                     if reply is not None and not (isinstance(request, Hits) and not request.reply):  # one way stays one way
                         writer.write(codec.frame(reply))
                         await writer.drain()
@@ -205,8 +289,9 @@ class Agent:
         except asyncio.CancelledError:
             pass  # the agent is stopping
         finally:
-            for session in owned:
+            for session in conn.owned:
                 self.sessions.cancel(session)
+            self.metrics.disconnected(pid)
             self.connections -= 1
             self.last_activity = time.monotonic()
             writer.close()
@@ -220,6 +305,12 @@ class Agent:
                 self._stop.set()
 
     async def serve(self) -> None:
+        stop_http = None
+        if self.metrics_addr:
+            try:
+                stop_http = await exporter.serve(self.registry, *parse_addr(self.metrics_addr))
+            except OSError as exc:
+                raise GpufeedError(f"--metrics-addr {self.metrics_addr}: {exc.strerror or exc}") from None
         self._stop = asyncio.Event()
         self.fetcher.start()
         loop = asyncio.get_running_loop()
@@ -238,6 +329,8 @@ class Agent:
         finally:
             if watcher:
                 watcher.cancel()
+            if stop_http is not None:
+                await stop_http()
             server.close()
             state.unlink(missing_ok=True)
             await self._quiesce()

@@ -8,6 +8,7 @@ sessions end when it closes, so a killed trainer releases its pins.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -36,8 +37,9 @@ class Sessions:
         self.manager = manager
         self.metrics = metrics
         self.sessions: dict[str, Session] = {}
-        self.pinned: dict[str, tuple[str, int]] = {}
-        """Pinned block name → the session that pinned it, and the bytes it counted."""
+        self.pinned: dict[str, tuple[str, int, float]] = {}
+        """Pinned block name → the session that pinned it, the bytes it counted, and when (the
+        prefetch lead is measured from then to the block's first read)."""
         self.pinned_bytes = 0
         self._ended: OrderedDict[str, None] = OrderedDict()
         """Sessions cancelled lately: a prefetch that arrives after its cancel (sent by another
@@ -60,7 +62,7 @@ class Sessions:
     def pin(self, session: Session, name: str) -> None:
         if session.pin and not session.cancelled and name not in self.pinned:
             size = self.manager.sizes.get(name, 0)
-            self.pinned[name] = (session.name, size)
+            self.pinned[name] = (session.name, size, time.monotonic())
             session.pinned.add(name)
             self.pinned_bytes += size
             self.metrics.count("prefetched")
@@ -68,7 +70,7 @@ class Sessions:
     def unpin(self, name: str) -> None:
         pinned = self.pinned.pop(name, None)
         if pinned is not None:
-            owner, size = pinned
+            owner, size, _ = pinned
             self.pinned_bytes -= size
             session = self.sessions.get(owner)
             if session is not None:
@@ -89,9 +91,14 @@ class Sessions:
             self.unpin(block)
 
     def hits(self, names: str) -> None:
-        """Blocks readers read from disk: hot for eviction, and read, so no longer pinned."""
+        """Blocks readers read from disk: hot for eviction, and read, so no longer pinned (how
+        long a prefetched block waited for its first read is the prefetch lead)."""
         split = names.split()
+        now = time.monotonic()
         for name in split:
             self.manager.policy.access(name)
-            self.unpin(name)
+            pinned = self.pinned.get(name)
+            if pinned is not None:
+                self.metrics.prefetch_lead.observe(now - pinned[2])
+                self.unpin(name)
         self.metrics.count("hits", len(split))

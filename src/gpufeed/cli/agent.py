@@ -1,12 +1,11 @@
 """`gpufeed agent` (foreground service) and `gpufeed agent start|stop|status`.
 
---cache-dir and --cache-size are accepted before the subcommand and after it (`agent start
---cache-size 200GiB` is how people type it); after it wins."""
+--cache-dir, --cache-size, --metrics-addr and --log-format are accepted before the subcommand
+and after it (`agent start --cache-size 200GiB` is how people type it); after it wins."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import typer
 
 from gpufeed.cli.console import human_bytes, out
 from gpufeed.client.connection import AgentClient, connect, stop_agent
-from gpufeed.config import Settings, parse_size
+from gpufeed.config import Settings, parse_addr, parse_log_format, parse_size
 from gpufeed.errors import GpufeedError
 from gpufeed.rpc.messages import AgentInfo
 
@@ -23,6 +22,10 @@ app = typer.Typer(help="The node agent that owns the cache dir.", invoke_without
 
 DirsOption = typer.Option([], "--cache-dir", help="Cache dir (repeatable); default $GPUFEED_HOME/cache.")
 SizeOption = typer.Option(None, "--cache-size", help="Quota, e.g. 200GiB; always bounded by free space.")
+MetricsOption = typer.Option(
+    None, "--metrics-addr", help="Serve Prometheus metrics on HOST:PORT (PORT alone: 127.0.0.1); default off."
+)
+LogFormatOption = typer.Option(None, "--log-format", help="text (default) or json: one JSON object per line.")
 
 
 @dataclass(frozen=True)
@@ -32,9 +35,16 @@ class Asked:
 
     cache_dirs: tuple[Path, ...] = ()
     cache_size: str | None = None
+    metrics_addr: str | None = None
+    log_format: str | None = None
 
     def over(self, earlier: Asked) -> Asked:
-        return Asked(self.cache_dirs or earlier.cache_dirs, self.cache_size or earlier.cache_size)
+        return Asked(
+            self.cache_dirs or earlier.cache_dirs,
+            self.cache_size or earlier.cache_size,
+            self.metrics_addr or earlier.metrics_addr,
+            self.log_format or earlier.log_format,
+        )
 
     def settings(self) -> Settings:
         settings = Settings.from_env()
@@ -43,11 +53,22 @@ class Asked:
             changes["cache_dirs"] = tuple(d.expanduser().absolute() for d in self.cache_dirs)
         if self.cache_size:
             changes["cache_size"] = parse_size(self.cache_size, "--cache-size")
+        if self.metrics_addr:
+            parse_addr(self.metrics_addr)
+            changes["metrics_addr"] = self.metrics_addr
+        if self.log_format:
+            changes["log_format"] = parse_log_format(self.log_format)
         return dataclasses.replace(settings, **changes)
 
 
-def _asked(ctx: typer.Context, cache_dir: list[Path], cache_size: str | None = None) -> Asked:
-    return Asked(tuple(cache_dir), cache_size).over(ctx.obj)
+def _asked(
+    ctx: typer.Context,
+    cache_dir: list[Path],
+    cache_size: str | None = None,
+    metrics_addr: str | None = None,
+    log_format: str | None = None,
+) -> Asked:
+    return Asked(tuple(cache_dir), cache_size, metrics_addr, log_format).over(ctx.obj)
 
 
 def _differences(asked: Asked, settings: Settings, hello: AgentInfo) -> list[str]:
@@ -75,26 +96,36 @@ def agent(
     cache_dir: list[Path] = DirsOption,
     cache_size: str | None = SizeOption,
     idle_timeout: float | None = typer.Option(None, "--idle-timeout", help="Exit after this many seconds without clients."),
+    metrics_addr: str | None = MetricsOption,
+    log_format: str | None = LogFormatOption,
 ) -> None:
     """Run the agent in the foreground (a service), or manage one with a subcommand."""
-    asked = Asked(tuple(cache_dir), cache_size)
+    asked = Asked(tuple(cache_dir), cache_size, metrics_addr, log_format)
     if ctx.invoked_subcommand is not None:
         ctx.obj = asked
         return
     from gpufeed.agent.manager import AgentConfig  # only the service needs the agent's modules
     from gpufeed.agent.service import run_agent
+    from gpufeed.logs import configure
 
     settings = asked.settings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(levelname)s %(message)s")
+    configure(settings.log_format)
     config = AgentConfig(settings.cache_dirs, settings.cache_size, settings.cache_free_ratio, idle_timeout)
     run_agent(config, settings)
 
 
 @app.command()
-def start(ctx: typer.Context, cache_dir: list[Path] = DirsOption, cache_size: str | None = SizeOption) -> None:
+def start(
+    ctx: typer.Context,
+    cache_dir: list[Path] = DirsOption,
+    cache_size: str | None = SizeOption,
+    metrics_addr: str | None = MetricsOption,
+    log_format: str | None = LogFormatOption,
+) -> None:
     """Start a background agent (no idle timeout) unless one is running; fails when one runs
-    with another quota or other dirs than --cache-size/--cache-dir ask for."""
-    asked = _asked(ctx, cache_dir, cache_size)
+    with another quota or other dirs than --cache-size/--cache-dir ask for. A running agent
+    keeps the metrics address and log format it started with."""
+    asked = _asked(ctx, cache_dir, cache_size, metrics_addr, log_format)
     settings = asked.settings()
     agent = AgentClient(settings)
     if (sock := connect(settings.cache_dirs[0])) is not None:
@@ -106,7 +137,11 @@ def start(ctx: typer.Context, cache_dir: list[Path] = DirsOption, cache_size: st
         out.print(f"{_already(hello)}; {advice}", highlight=False, soft_wrap=True)
         return
     agent.start(None).close()
-    out.print(_serving(agent.stats(start=False)), highlight=False, soft_wrap=True)
+    where = ""
+    if settings.metrics_addr:
+        host, port = parse_addr(settings.metrics_addr)
+        where = f"; metrics on http://{host}:{port}/metrics"
+    out.print(_serving(agent.stats(start=False)) + where, highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -26,7 +26,20 @@ import msgspec
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, from_code
 from gpufeed.rpc import codec
-from gpufeed.rpc.messages import AgentInfo, Clear, Cleared, Done, Hello, Hits, Refused, Reply, Request, Shutdown, Stats
+from gpufeed.rpc.messages import (
+    AgentInfo,
+    Clear,
+    Cleared,
+    Done,
+    Hello,
+    Hits,
+    Refused,
+    Reply,
+    Request,
+    Served,
+    Shutdown,
+    Stats,
+)
 
 R = TypeVar("R", bound=msgspec.Struct)
 
@@ -49,6 +62,9 @@ def agent_command(settings: Settings, idle_timeout: float | None) -> list[str]:
     for directory in settings.cache_dirs:
         argv += ["--cache-dir", str(directory)]
     argv += ["--cache-size", str(settings.cache_size)]
+    if settings.metrics_addr:
+        argv += ["--metrics-addr", settings.metrics_addr]
+    argv += ["--log-format", settings.log_format]
     if idle_timeout is not None:
         argv += ["--idle-timeout", str(idle_timeout)]
     return argv
@@ -261,9 +277,23 @@ def _nothing() -> None:
     pass
 
 
+class Tally:
+    """What this process's reads of one mount did since the last report; the hit path adds to
+    it directly (two integer additions, no call)."""
+
+    __slots__ = ("hits", "hit_bytes", "stall_s")
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.hit_bytes = 0
+        self.stall_s = 0.0
+
+
 class HitReporter:
     """Collects the blocks a process read from disk and tells the agent in batches, so eviction
-    knows what is hot without a round trip per hit. Never starts an agent just to report.
+    knows what is hot without a round trip per hit, and, per mount, the hits, their bytes and
+    the time reads waited on misses, so the agent's metrics cover every reading process. Never
+    starts an agent just to report.
 
     The hit path appends to `names` itself and calls `check` once `len(names)` reaches `due`:
     a C call and a comparison per hit, no Python call (`record` does the same for colder
@@ -278,13 +308,43 @@ class HitReporter:
         """Blocks read since the last report, by `BlockId.name` (strings: no tuple for
         the collector)."""
         self.due = HIT_CHECK_EVERY
+        self.tallies: dict[str, Tally] = {}
+        """Mount path → its tally; handles hold theirs (`ObjectHandle.tally`)."""
         self._sent = time.monotonic()
         self._lock = threading.Lock()
+
+    def tally(self, mount: str) -> Tally:
+        found = self.tallies.get(mount)
+        if found is None:
+            with self._lock:
+                found = self.tallies.setdefault(mount, Tally())
+        return found
 
     def record(self, block: str) -> None:
         self.names.append(block)
         if len(self.names) >= self.due:
             self.check()
+
+    def stalled(self, waiting: list[Tally], seconds: float) -> None:
+        """Reads waited `seconds` on misses, shared by the mounts of the missing pieces (one
+        tally per piece). Reported with the next batch, or now when the last report is old (a
+        process that only misses calls no `check`)."""
+        share = seconds / len(waiting)
+        for tally in waiting:
+            tally.stall_s += share
+        if time.monotonic() - self._sent > HIT_REPORT_INTERVAL_S:
+            self.flush(wait=False)
+
+    def _served(self) -> list[Served]:
+        """The tallies' figures since the last report, and zeroed (under the lock)."""
+        served = []
+        for mount, tally in self.tallies.items():
+            if tally.hits or tally.stall_s:
+                served.append(Served(mount, tally.hits, tally.hit_bytes, tally.stall_s))
+                tally.hits -= served[-1].hits
+                tally.hit_bytes -= served[-1].hit_bytes
+                tally.stall_s -= served[-1].stall_s
+        return served
 
     def check(self) -> None:
         """Every HIT_CHECK_EVERY hits: send them when the batch is full or the last report is old."""
@@ -300,17 +360,18 @@ class HitReporter:
         with self._lock:
             batch = self.names.copy()
             del self.names[: len(batch)]  # names other threads appended meanwhile stay
+            served = self._served()
             self._sent = time.monotonic()
             self.due = len(self.names) + HIT_CHECK_EVERY
-        if batch:
+        if batch or served:
             names = " ".join(batch)  # one string: cheap to encode
             try:
                 if wait:
-                    self.agent.request(Hits(names, reply=True), Done, start=False)
+                    self.agent.request(Hits(names, reply=True, served=served), Done, start=False)
                 else:
-                    self.agent.notify(Hits(names))
+                    self.agent.notify(Hits(names, served=served))
             except AgentUnavailable:
-                pass  # only eviction hints are lost
+                pass  # only eviction hints and counts are lost
 
 
 def gone(pid: int) -> bool:

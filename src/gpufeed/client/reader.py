@@ -26,7 +26,7 @@ from gpufeed.cache import blockfile, openfiles
 from gpufeed.cache.layout import BlockRef, block_path
 from gpufeed.cache.openfiles import OpenBlocks
 from gpufeed.client import plan
-from gpufeed.client.connection import AgentClient, AgentUnavailable, HitReporter
+from gpufeed.client.connection import AgentClient, AgentUnavailable, HitReporter, Tally
 from gpufeed.client.file import FeedFile
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing, from_code
@@ -62,6 +62,8 @@ class ObjectHandle:
     mount: Mount
     source: Source
     info: ObjectInfo
+    tally: Tally
+    """Its mount's hits and stalls in this process, reported to the agent with the hits."""
     blocks: BlockRef | None = None
 
     @property
@@ -131,7 +133,7 @@ class Client:
             identity = object_blocks(mount.url, source_options(mount), info, policy.block_size, not mount.immutable)
             assert self._files is not None
             blocks = BlockRef.of(dirs, identity, policy.verify, self._files)
-        handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, blocks)
+        handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, self.hits.tally(mount.path), blocks)
         if mount.max_age is None and (blocks is not None or not policy.enabled or info.size == 0):
             with self._lock:
                 if len(self._handles) >= HANDLE_CACHE:
@@ -202,6 +204,9 @@ class Client:
                 return None
             hits = self.hits
             hits.names.append(ref.small_name)  # HitReporter.record, without a call on every hit
+            tally = handle.tally
+            tally.hits += 1
+            tally.hit_bytes += ref.object_size
             if len(hits.names) >= hits.due:
                 hits.check()
             return data
@@ -216,6 +221,9 @@ class Client:
             data = blockfile.read(ref, first, start - base, end - base)
         except (FileNotFoundError, CorruptBlock):
             return None
+        tally = handle.tally
+        tally.hits += 1
+        tally.hit_bytes += end - start
         self.hits.record(f"{ref.oid}-{first}")  # BlockId.name, without building one on every hit
         return data
 
@@ -237,6 +245,8 @@ class Client:
             for index, lo, hi in plan.pieces(ref.blocks, start, end):
                 try:
                     pieces[(n, index)] = blockfile.read(ref, index, lo - index * size, hi - index * size)
+                    handle.tally.hits += 1
+                    handle.tally.hit_bytes += hi - lo
                     self.hits.record(ref.blocks.block(index).name)
                     continue
                 except FileNotFoundError:
@@ -248,6 +258,8 @@ class Client:
                 wanted[index] = None
                 if repair:
                     repairs.append(index)
+        waiting_on = [reads[n][0].tally for n, _ in absent]  # one per missing piece: they share the wait
+        started = time.monotonic()
         if blocks:
             around = self._read_around(reads, absent, blocks)
             waiting = []
@@ -268,6 +280,8 @@ class Client:
                         pass  # evicted already (quota smaller than the working set): read through
         if absent:
             pieces.update(self._direct_many({key: (reads[key[0]][0], lo, hi) for key, (lo, hi) in absent.items()}))
+        if waiting_on:
+            self.hits.stalled(waiting_on, time.monotonic() - started)
         return [self._joined(pieces, n, handle, start, end) for n, (handle, start, end) in enumerate(reads)]
 
     def _read_around(
@@ -369,15 +383,15 @@ class Client:
     def _groups(wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> tuple[list[Group], list[ObjectHandle]]:
         """Agent request groups: per source, the objects and which of their blocks to fetch
         (and which to repair); and the objects in the order the agent numbers them."""
-        groups: dict[tuple[str, str], tuple[Group, list[ObjectHandle]]] = {}
+        groups: dict[tuple[str, str, str], tuple[Group, list[ObjectHandle]]] = {}
         for handle, blocks, repair in wanted:
             info, mount = handle.info, handle.mount
             assert handle.blocks is not None
             options = source_options(mount)
-            key = (mount.url, repr(sorted(options.items())))
+            key = (mount.url, repr(sorted(options.items())), mount.path)
             if key not in groups:
                 credentials = Credentials(caller_credentials(mount.url, options))
-                groups[key] = (Group(SourceSpec(mount.url, options), [], credentials), [])
+                groups[key] = (Group(SourceSpec(mount.url, options), [], credentials, mount.path), [])
             group, members = groups[key]
             members.append(handle)
             group.objects.append(

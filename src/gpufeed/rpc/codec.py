@@ -17,10 +17,11 @@ import xxhash
 
 from gpufeed.rpc.messages import Reply, Request
 
-VERSION = 4
+VERSION = 5
 """What the agent and its readers must agree on; checked by `Hello` on every connection. Raise it
 with any change a running agent of the last release would misread or not do (4: typed msgpack
-messages; block headers that record the block's identity)."""
+messages; block headers that record the block's identity; 5: hit reports carry per-mount
+figures, groups name their mount, Metrics and Usage requests)."""
 MAX_MESSAGE = 64 << 20
 _LENGTH = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()

@@ -48,6 +48,9 @@ class Group(msgspec.Struct):
     source: SourceSpec
     objects: list[ObjectWant]
     credentials: Credentials = msgspec.field(default_factory=Credentials)
+    mount: str = ""
+    """The namespace path of the objects' mount: the agent counts by it (never by URL or options,
+    which may hold secrets)."""
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -79,12 +82,23 @@ class Cancel(msgspec.Struct, tag="cancel"):
     session: str
 
 
+class Served(msgspec.Struct, array_like=True):
+    """What one process's reads of one mount did since its last report: hits it served from the
+    cache itself, their bytes, and the wall time its reads spent waiting on misses (stall)."""
+
+    mount: str
+    hits: int
+    hit_bytes: int
+    stall_s: float
+
+
 class Hits(msgspec.Struct, tag="hits"):
     """Blocks read from disk since the last report, by `BlockId.name`, space-separated (cheap to
-    encode). One way unless `reply`."""
+    encode), and what the reads did per mount. One way unless `reply`."""
 
     names: str
     reply: bool = False
+    served: list[Served] = []
 
 
 class Clear(msgspec.Struct, tag="clear"):
@@ -95,7 +109,15 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-Request = Hello | Stats | Fetch | Prefetch | Cancel | Hits | Clear | Shutdown
+class Metrics(msgspec.Struct, tag="metrics"):
+    """The agent's metrics in Prometheus' text format (what its HTTP endpoint serves)."""
+
+
+class Usage(msgspec.Struct, tag="usage"):
+    """The counts `gpufeed top` turns into rates: per mount, per reading process, the cache."""
+
+
+Request = Hello | Stats | Fetch | Prefetch | Cancel | Hits | Clear | Shutdown | Metrics | Usage
 
 
 class AgentInfo(msgspec.Struct, tag="info"):
@@ -120,6 +142,46 @@ class AgentInfo(msgspec.Struct, tag="info"):
     uncached: int
     prefetched: int
     prefetch_errors: int
+
+
+class MetricsText(msgspec.Struct, tag="metrics_text"):
+    text: str
+
+
+class MountUsage(msgspec.Struct):
+    """Totals since the agent started for one mount (label "other" past the label limit)."""
+
+    mount: str
+    hits: int
+    hit_bytes: int
+    misses: int
+    miss_bytes: int
+    stall_s: float
+
+
+class ReaderUsage(msgspec.Struct):
+    """Totals of one reading process connected now (by its pid, from SO_PEERCRED)."""
+
+    pid: int
+    hits: int
+    hit_bytes: int
+    fetched_bytes: int
+    stall_s: float
+
+
+class UsageInfo(msgspec.Struct, tag="usage_info"):
+    time: float
+    """The agent's monotonic clock when counted: rates are deltas over it."""
+    bytes: int
+    limit: int
+    quota: int
+    blocks: int
+    clients: int
+    prefetch_queued: int
+    prefetch_ahead: int
+    """Prefetched blocks not read yet: how far prefetch runs ahead, in blocks."""
+    mounts: list[MountUsage]
+    readers: list[ReaderUsage]
 
 
 class Failure(msgspec.Struct):
@@ -160,4 +222,4 @@ class Refused(msgspec.Struct, tag="refused"):
     failure: Failure
 
 
-Reply = AgentInfo | Fetched | Queued | Cleared | Done | Refused
+Reply = AgentInfo | Fetched | Queued | Cleared | Done | Refused | MetricsText | UsageInfo

@@ -15,12 +15,16 @@ import asyncio
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
 
 T = TypeVar("T")
 
 log = logging.getLogger("gpufeed")
+
+RETRIED: Counter[str] = Counter()
+"""Attempts this process made again after a failure, by kind: the agent exports its own."""
 
 
 class Retryable(Exception):
@@ -96,6 +100,7 @@ class Attempts:
         delay = self.policy.delay(self.count)
         if self.count >= self.policy.attempts or time.monotonic() + delay > self.deadline:
             _give_up(failure)
+        RETRIED[failure.kind] += 1
         self.recovered.append(failure)
         return delay
 

@@ -1,0 +1,125 @@
+"""The agent's counts in Prometheus' text format, and the HTTP endpoint that serves them.
+
+A prometheus-client collector turns `Metrics` into metric families when a scrape (or `gpufeed
+metrics`) asks, so the agent's parts keep counting in plain ints. Every name starts with
+`gpufeed_`; labels are bounded: `mount` is a namespace path (never a URL or an option, which may
+hold credentials; at most `metrics.MOUNT_LABELS`), `tier`, `kind` and `code` come from fixed sets.
+The agent's CPU and memory come from prometheus-client's process collector (Linux /proc).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from importlib import resources
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gpufeed.agent.metrics import Buckets, Metrics
+from gpufeed.sources import retry
+
+log = logging.getLogger("gpufeed.agent")
+
+Gauges = Callable[[], list[tuple[str, str, float]]]
+"""(name without prefix, help, value) of what the agent holds now: cache bytes, limit, clients…"""
+
+
+def _kind(text: str) -> str:
+    """A retry kind as a label value: "server error" → "server_error"."""
+    return text.replace(" ", "_")
+
+
+class Collector:
+    """Reads `Metrics` at scrape time."""
+
+    def __init__(self, metrics: Metrics, gauges: Gauges) -> None:
+        self.metrics = metrics
+        self.gauges = gauges
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        yield _by_tier("hits", "Blocks read from the cache, by tier (disk) and mount", m.hits)
+        yield _by_tier("hit_bytes", "Bytes readers read from cached blocks", m.hit_bytes)
+        yield _by_tier("misses", "Blocks fetched after a miss, by where from (store) and mount", m.misses)
+        yield _by_tier("miss_bytes", "Bytes fetched after a miss", m.miss_bytes)
+        stall = CounterMetricFamily(
+            "gpufeed_stall_seconds", "Seconds readers' reads waited on misses, summed over readers", labels=["mount"]
+        )
+        for mount, seconds in sorted(m.stall_s.items()):
+            stall.add_metric([mount], seconds)
+        yield stall
+        yield _labelled("requests", "Requests the agent answered, by kind", "kind", m.requests)
+        yield _labelled("errors", "Failures answered to readers, by gpufeed error code", "code", m.errors)
+        retried = {_kind(kind): n for kind, n in retry.RETRIED.items()}
+        yield _labelled("retries", "Store calls attempted again, by kind of failure", "kind", retried)
+        for name, what in [
+            ("evictions", "Blocks evicted to keep the cache under its limit"),
+            ("repairs", "Damaged blocks discarded and fetched again"),
+            ("uncached", "Blocks served uncached because the cache could not hold them"),
+            ("prefetched", "Blocks prefetched and pinned until read"),
+            ("prefetch_errors", "Prefetches that failed (the demand read fetches again)"),
+        ]:
+            yield CounterMetricFamily(f"gpufeed_{name}", what, value=m.counts[name])
+        yield _histogram("store_get_seconds", "Store GET time, first byte to last, per block or object", m.store_get)
+        yield _histogram("prefetch_lead_seconds", "From a prefetched block landing in the cache to its first read",
+                         m.prefetch_lead)
+        for name, what, value in self.gauges():
+            yield GaugeMetricFamily(f"gpufeed_{name}", what, value=value)
+
+
+def _by_tier(name: str, what: str, counts: dict[tuple[str, str], int]) -> Metric:
+    family = CounterMetricFamily(f"gpufeed_{name}", what, labels=["tier", "mount"])
+    for (mount, tier), value in sorted(counts.items()):
+        family.add_metric([tier, mount], value)
+    return family
+
+
+def _labelled(name: str, what: str, label: str, counts: dict[str, int]) -> Metric:
+    family = CounterMetricFamily(f"gpufeed_{name}", what, labels=[label])
+    for value, n in sorted(counts.items()):
+        family.add_metric([value], n)
+    return family
+
+
+def _histogram(name: str, what: str, buckets: Buckets) -> Metric:
+    family = HistogramMetricFamily(f"gpufeed_{name}", what)
+    family.add_metric([], buckets.cumulative(), sum_value=buckets.sum)
+    return family
+
+
+def registry(metrics: Metrics, gauges: Gauges) -> CollectorRegistry:
+    """The agent's registry: its counts and the process's CPU, memory and open files."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(Collector(metrics, gauges))  # type: ignore[arg-type]
+    ProcessCollector(namespace="gpufeed", registry=reg)
+    return reg
+
+
+def text(reg: CollectorRegistry) -> str:
+    return generate_latest(reg).decode()
+
+
+async def serve(reg: CollectorRegistry, host: str, port: int) -> Callable[[], Awaitable[None]]:
+    """Serve /metrics, and at / the live dashboard for a person (one static page that reads
+    /metrics every second), on the running loop; returns the coroutine function that stops it.
+    aiohttp is loaded only when an address was asked for."""
+    from aiohttp import web
+
+    page = resources.files("gpufeed.agent").joinpath("dashboard.html").read_bytes()
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(reg), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def dashboard(request: web.Request) -> web.Response:
+        return web.Response(body=page, content_type="text/html", charset="utf-8")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", dashboard)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("metrics on http://%s:%d/metrics, dashboard at /", host if ":" not in host else f"[{host}]", port)
+    return runner.cleanup
