@@ -72,9 +72,22 @@ def prometheus(tmp_path: Path) -> Iterator[Callable[[str], str]]:
                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn",
             ]
             servers.enter_context(helper(argv, "prometheus", tmp_path / "prometheus.log", port=port))
-            return f"http://127.0.0.1:{port}"
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while not _ready(base):  # it answers 503 while its storage opens
+                assert time.monotonic() < deadline, "prometheus never became ready"
+                time.sleep(0.2)
+            return base
 
         yield start
+
+
+def _ready(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/-/ready", timeout=5) as response:
+            return response.status == 200
+    except OSError:  # urllib's HTTPError (503) is one
+        return False
 
 
 def query(base: str, promql: str) -> list[dict]:
