@@ -215,6 +215,8 @@ class Agent:
             clients=self.connections,
             prefetch_queued=self._queued(),
             prefetch_ahead=len(self.sessions.pinned),
+            prefetch_lead_s=m.prefetch_lead.sum,
+            prefetch_leads=sum(m.prefetch_lead.counts),
             mounts=[
                 MountUsage(
                     mount,

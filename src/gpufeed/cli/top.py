@@ -3,7 +3,8 @@
 Two `Usage` counts from the agent, `--interval` apart, make the rates: per mount the hit ratio,
 MB/s from the cache and from the store, and stall % (seconds reads waited on misses per second,
 summed over readers: 100 % is one reader waiting all the time); the cache's use against its
-limit; prefetch queued and ahead; the reading processes by pid. Readers report their hits every
+limit; prefetch queued, blocks ahead and lead (mean seconds from a prefetched block landing to
+its first read, over the interval); the reading processes by pid. Readers report their hits every
 2 s or 512 hits, so a rate over a shorter interval moves in steps.
 """
 
@@ -41,7 +42,7 @@ def _command(pid: int) -> str:
             words = f.read().split(b"\0")
     except OSError:
         return "?"
-    return " ".join(w.decode(errors="replace") for w in words if w)[:60]
+    return " ".join(" ".join(w.decode(errors="replace").split()) for w in words if w)[:60]  # a `python -c` script's newlines too
 
 
 def snapshot(before: UsageInfo, after: UsageInfo, agent_pid: int) -> dict[str, Any]:
@@ -84,6 +85,7 @@ def snapshot(before: UsageInfo, after: UsageInfo, agent_pid: int) -> dict[str, A
             "stall_s": r.stall_s,
         })
     readers.sort(key=lambda r: (-(r["cache_mb_per_s"] + r["store_mb_per_s"]), -r["hits"], r["pid"]))
+    leads = after.prefetch_leads - before.prefetch_leads
     return {
         "interval_s": dt,
         "agent_pid": agent_pid,
@@ -95,7 +97,11 @@ def snapshot(before: UsageInfo, after: UsageInfo, agent_pid: int) -> dict[str, A
             "blocks": after.blocks,
             "used_pct": 100 * after.bytes / after.limit if after.limit else None,
         },
-        "prefetch": {"queued": after.prefetch_queued, "ahead_blocks": after.prefetch_ahead},
+        "prefetch": {
+            "queued": after.prefetch_queued,
+            "ahead_blocks": after.prefetch_ahead,
+            "lead_s": (after.prefetch_lead_s - before.prefetch_lead_s) / leads if leads else None,
+        },
         "mounts": mounts,
         "readers": readers[:TOP_READERS],
     }
@@ -108,10 +114,12 @@ def _percent(value: float | None) -> str:
 def render(shot: dict[str, Any]) -> Group:
     cache = shot["cache"]
     used = f" ({cache['used_pct']:.0f} %)" if cache["used_pct"] is not None else ""
+    prefetch = shot["prefetch"]
+    lead = f", {prefetch['lead_s']:.2f} s lead" if prefetch["lead_s"] is not None else ""
     head = Text(
         f"agent {shot['agent_pid']} · cache {human_bytes(cache['bytes'])} of {human_bytes(cache['limit'])}{used}, "
-        f"{cache['blocks']} blocks · {shot['clients']} connections · prefetch {shot['prefetch']['queued']} queued, "
-        f"{shot['prefetch']['ahead_blocks']} blocks ahead · over {shot['interval_s']:.1f} s"
+        f"{cache['blocks']} blocks · {shot['clients']} connections · prefetch {prefetch['queued']} queued, "
+        f"{prefetch['ahead_blocks']} blocks ahead{lead} · over {shot['interval_s']:.1f} s"
     )
     mounts = Table("mount", "hit ratio", "hits/s", "cache MB/s", "store MB/s", "stall %", "hit ratio (all)", box=None)
     for m in shot["mounts"]:

@@ -180,6 +180,9 @@ class UsageInfo(msgspec.Struct, tag="usage_info"):
     prefetch_queued: int
     prefetch_ahead: int
     """Prefetched blocks not read yet: how far prefetch runs ahead, in blocks."""
+    prefetch_lead_s: float
+    prefetch_leads: int
+    """Sum and count of prefetch leads (a prefetched block's first read after it landed)."""
     mounts: list[MountUsage]
     readers: list[ReaderUsage]
 
