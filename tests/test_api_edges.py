@@ -85,3 +85,13 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="has no attribute 'Clinet'"):
         gpufeed.Clinet  # type: ignore[attr-defined]  # noqa: B018
     assert {"Client", "open", "read"} <= set(dir(gpufeed))
+
+
+def test_an_error_code_names_the_class_that_defines_it_not_a_subclass_that_inherits_it() -> None:
+    from gpufeed import errors
+    from gpufeed.integrations.torch.index import IndexOutOfRange  # an InvalidArgument with its code
+
+    assert issubclass(IndexOutOfRange, errors.InvalidArgument)
+    assert type(errors.from_code("invalid_argument", "bad")) is errors.InvalidArgument
+    assert type(errors.from_code("object_missing", "gone")) is errors.ObjectMissing
+    assert type(errors.from_code("a code from a newer release", "?")) is errors.SourceError

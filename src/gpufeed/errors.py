@@ -87,7 +87,9 @@ class ObjectCorrupted(SourceError):
 
 
 def _codes(cls: type[GpufeedError]) -> dict[str, type[GpufeedError]]:
-    found = {cls.code: cls}
+    """Code → the class that defines it: a subclass that only inherits its parent's code (the
+    torch index's IndexOutOfRange, an InvalidArgument) never takes the code over."""
+    found = {cls.code: cls} if "code" in cls.__dict__ else {}
     for sub in cls.__subclasses__():
         found.update(_codes(sub))
     return found
