@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 
 import fsspec
-from common import scratch_home
+from common import scratch_home, small_files
 
 import gpufeed
 from gpufeed.cache.openfiles import capacity_for
@@ -77,11 +77,7 @@ def main() -> None:
 
     with scratch_home("gpufeed-cache-bench-") as work:
         source = work / "source"
-        source.mkdir()
-        payload = os.urandom(args.size + 4096)
-        names = [f"{i:06d}.jpg" for i in range(args.files)]
-        for i, name in enumerate(names):
-            (source / name).write_bytes(payload[i % 4096 : i % 4096 + args.size])
+        names = small_files(source, args.files, args.size)
         Namespace().add_mount("/bench", f"file://{source}")
         Namespace().add_mount("/trusting", f"file://{source}", {"verify": "never"})
         client = gpufeed.client()

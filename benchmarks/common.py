@@ -24,3 +24,14 @@ def scratch_home(prefix: str) -> Iterator[Path]:
     finally:
         stop_agent(gpufeed.client().settings)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def small_files(root: Path, count: int, size: int) -> list[str]:
+    """`count` files of `size` bytes in a new dir `root`, each different (windows of one random
+    buffer, cheap to make); returns their names."""
+    root.mkdir()
+    payload = os.urandom(size + 4096)
+    names = [f"{i:06d}.jpg" for i in range(count)]
+    for i, name in enumerate(names):
+        (root / name).write_bytes(payload[i % 4096 : i % 4096 + size])
+    return names

@@ -27,7 +27,7 @@ import time
 import urllib.request
 
 from cache_read_bench import ratio
-from common import scratch_home
+from common import scratch_home, small_files
 
 import gpufeed
 from gpufeed.bench.children import free_port
@@ -76,11 +76,7 @@ def main() -> None:
     os.environ["GPUFEED_METRICS_ADDR"] = f"127.0.0.1:{port}"  # the agent the first read starts serves metrics
     with scratch_home("gpufeed-metrics-bench-") as work:
         source = work / "source"
-        source.mkdir()
-        payload = os.urandom(args.size + 4096)
-        names = [f"{i:06d}.jpg" for i in range(args.files)]
-        for i, name in enumerate(names):
-            (source / name).write_bytes(payload[i % 4096 : i % 4096 + args.size])
+        names = small_files(source, args.files, args.size)
         Namespace().add_mount("/bench", f"file://{source}")
         counted = gpufeed.client()
         uncounted = Uncounted(counted.settings)
