@@ -59,6 +59,8 @@ class Settings:
     open_blocks: block files a reading process keeps open and mapped between hits
         (`GPUFEED_OPEN_BLOCKS`, 4096; 0 opens and closes one on every hit), at most a quarter of
         its open-file limit.
+    progress_interval: seconds between the plain progress lines a long command writes when
+        stderr is not a terminal (`GPUFEED_PROGRESS_INTERVAL`, 5).
     """
 
     home: Path
@@ -73,6 +75,7 @@ class Settings:
     verify: bool
     agent_idle_timeout: float
     open_blocks: int
+    progress_interval: float = 5.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -91,6 +94,7 @@ class Settings:
             verify=parse_verify(os.environ.get("GPUFEED_VERIFY") or "always", "GPUFEED_VERIFY"),
             agent_idle_timeout=_float_env("GPUFEED_AGENT_IDLE_TIMEOUT", 300.0),
             open_blocks=int(_float_env("GPUFEED_OPEN_BLOCKS", 4096)),
+            progress_interval=_float_env("GPUFEED_PROGRESS_INTERVAL", 5.0),
         )
 
 
