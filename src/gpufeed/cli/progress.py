@@ -52,7 +52,7 @@ class Meter:
         self._stop.set()
         if self._bar is not None:
             self._bar.stop()
-        elif self._mode == "plain":
+        elif self._mode == "plain" and kind is None:  # a failure says so in its own one line
             err.print(self.line(), highlight=False, markup=False, soft_wrap=True)
 
     def update(self, files: int, size: int) -> None:
