@@ -63,6 +63,8 @@ class Settings:
     metrics_addr: `GPUFEED_METRICS_ADDR`, HOST:PORT (or PORT, on 127.0.0.1) where the agent
         serves Prometheus metrics; empty: not served (`gpufeed metrics` works all the same).
     log_format: `GPUFEED_LOG_FORMAT` = text | json, how the agent logs.
+    progress_interval: seconds between the plain progress lines a long command writes when
+        stderr is not a terminal (`GPUFEED_PROGRESS_INTERVAL`, 5).
     """
 
     home: Path
@@ -79,6 +81,7 @@ class Settings:
     open_blocks: int
     metrics_addr: str = ""
     log_format: str = "text"
+    progress_interval: float = 5.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -99,6 +102,7 @@ class Settings:
             open_blocks=int(_float_env("GPUFEED_OPEN_BLOCKS", 4096)),
             metrics_addr=_checked(os.environ.get("GPUFEED_METRICS_ADDR", ""), parse_addr, "GPUFEED_METRICS_ADDR"),
             log_format=_checked(os.environ.get("GPUFEED_LOG_FORMAT") or "text", parse_log_format, "GPUFEED_LOG_FORMAT"),
+            progress_interval=_float_env("GPUFEED_PROGRESS_INTERVAL", 5.0),
         )
 
 

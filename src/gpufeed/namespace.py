@@ -11,7 +11,7 @@ import difflib
 import math
 import posixpath
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit, urlunsplit
 
@@ -204,10 +204,12 @@ class Namespace:
         max_age: float | None = None,
         checksums: str | None = None,
         allow_empty: bool = False,
+        listed: Callable[[ManifestStats], None] | None = None,
     ) -> tuple[Mount, ManifestStats]:
         """Validate, list the source once into a manifest, then record the mount. `checksums`
         names a sha256sum/md5sum file whose hashes the entries carry. An empty listing is
-        refused (most often a typo in the prefix) unless `allow_empty`; nothing is recorded."""
+        refused (most often a typo in the prefix) unless `allow_empty`; nothing is recorded.
+        `listed` hears the counts so far while the listing runs."""
         path = normalize(path)
         if path == "/":
             raise InvalidArgument("cannot mount at /: choose a path such as /data")
@@ -233,14 +235,14 @@ class Namespace:
                 raise MountError(f"{url}: no objects under this prefix{hint} (--allow-empty mounts it anyway)")
 
         self._forget_mounts()
-        return write_manifest(self.engine, mount, source, create=True, hashes=hashes, check=refuse_empty)
+        return write_manifest(self.engine, mount, source, create=True, hashes=hashes, check=refuse_empty, progress=listed)
 
-    def refresh(self, path: str) -> tuple[Mount, ManifestStats]:
+    def refresh(self, path: str, listed: Callable[[ManifestStats], None] | None = None) -> tuple[Mount, ManifestStats]:
         mount = self.mount(path)
         self.engine.check_writable()
         self._forget_mounts()
         try:
-            return write_manifest(self.engine, mount, self.source(mount), create=False)
+            return write_manifest(self.engine, mount, self.source(mount), create=False, progress=listed)
         finally:
             self._forget_mounts()  # a reader in another thread may have cached the old table meanwhile
 

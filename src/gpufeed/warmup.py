@@ -36,6 +36,14 @@ class Progress:
     started: float = field(default_factory=time.time)
 
 
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C during a warmup: what it had done, and the bytes cached of the files it was still fetching."""
+
+    def __init__(self, progress: Progress, partial_bytes: int) -> None:
+        super().__init__()
+        self.progress, self.partial_bytes = progress, partial_bytes
+
+
 def files_under(client: Client, paths: Iterable[str]) -> list[FileStat]:
     """Every file under `paths`, from the manifest, in the order given."""
     return [item for path in paths for item in client.walk(path)]
@@ -80,22 +88,45 @@ def warm(
 
     publish_status()
 
-    def one(item: FileStat) -> None:
+    active: dict[int, tuple[str, int]] = {}  # a fetch under way -> (its path, its bytes counted in done_bytes)
+
+    def tick() -> None:
         nonlocal written
-        cached = client.warm(client.handle(item.path))
+        report(progress)
+        if time.monotonic() - written > STATUS_INTERVAL_S:
+            publish_status()
+            written = time.monotonic()
+
+    def one(number: int, item: FileStat) -> None:
+        with lock:
+            active[number] = (item.path, 0)
+
+        def fetched(size: int) -> None:
+            with lock:
+                active[number] = (item.path, active[number][1] + size)
+                progress.done_bytes += size
+                tick()
+
+        cached = client.warm(client.handle(item.path), fetched)
         with lock:
             progress.done_files += 1
-            progress.done_bytes += item.size
+            progress.done_bytes += item.size - active.pop(number)[1]
             progress.skipped_bytes += cached
-            report(progress)
-            if time.monotonic() - written > STATUS_INTERVAL_S:
-                publish_status()
-                written = time.monotonic()
+            tick()
 
+    pool = ThreadPoolExecutor(concurrency, thread_name_prefix="gpufeed-warmup")
     try:
-        with ThreadPoolExecutor(concurrency, thread_name_prefix="gpufeed-warmup") as pool:
-            for _ in pool.map(one, files):
-                pass
+        for _ in pool.map(one, range(len(files)), files):
+            pass
+        pool.shutdown()
+    except KeyboardInterrupt:
+        # Waiting for the fetches in flight could take minutes on a big object: drop them; what
+        # they published stays cached and a rerun resumes from there.
+        pool.shutdown(wait=False, cancel_futures=True)
+        with lock:
+            progress.done_bytes -= sum(counted for _, counted in active.values())
+            partial = sum(present for path, _ in active.values() for _, present in client.cached_bytes(path))
+        raise Stopped(progress, partial) from None
     finally:
         with contextlib.suppress(OSError):
             status.unlink(missing_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -119,9 +120,11 @@ def generate(
     *,
     seed: int = 0,
     settings: Settings | None = None,
+    written: Callable[[int, int], None] | None = None,
 ) -> Generated:
     """Write every file of `work` under `url`; files are written in parallel with bounded
-    memory (at most MEMORY_IN_FLIGHT of payload at once)."""
+    memory (at most MEMORY_IN_FLIGHT of payload at once). `written` hears (files, bytes)
+    written so far after each file."""
     settings = settings or Settings.from_env()
     source = _destination(url, dict(options or {}), settings)
     sizes = file_sizes(work, seed)
@@ -134,8 +137,14 @@ def generate(
             obstore.put(source.store, key(work, index), payload)
         except Exception as exc:  # obstore and OS errors alike get the source's message
             raise source.translate(exc, key(work, index)) from exc
+        with lock:
+            done[0] += 1
+            done[1] += len(payload)
+            if written is not None:
+                written(done[0], done[1])
         return len(payload)
 
+    lock, done = threading.Lock(), [0, 0]
     started = time.perf_counter()
     with ThreadPoolExecutor(writers) as pool:
         total = sum(pool.map(put, range(work.files)))

@@ -16,6 +16,7 @@ from gpufeed.bench.modes import DEFAULT_MODES, MODES, parse_modes
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS
 from gpufeed.bench.workloads import WORKLOADS, Workload, workload
 from gpufeed.cli.console import err, human_bytes, out
+from gpufeed.cli.progress import Meter
 from gpufeed.errors import GpufeedError, InvalidArgument
 from gpufeed.namespace import parse_options
 
@@ -45,8 +46,15 @@ def require_extra(command: str) -> None:
         raise GpufeedError(f"gpufeed {command} needs the bench extra: pip install 'gpufeed[bench]'")
 
 
+QUIET = typer.Option(False, "--quiet", "-q", help="No progress on stderr; errors still print.")
+
+
 def progress(line: str) -> None:
     err.print(line, style="dim", markup=False, highlight=False)
+
+
+def quiet_progress(line: str) -> None:
+    """The progress callback of a --quiet run."""
 
 
 def check_outputs(*paths: Path | None) -> None:
@@ -76,7 +84,9 @@ def print_report(report: BenchReport, json_out: Path | None, plot: Path | None) 
 def bench(
     ctx: typer.Context,
     workload_name: str | None = WORKLOAD,
-    source: str | None = typer.Option(None, "--source", "-s", help="Dataset URL: file:///dir, s3://bucket/prefix, http://host/prefix."),
+    source: str | None = typer.Option(
+        None, "--source", "-s", help="Dataset URL: file:///dir, s3://bucket/prefix, http://host/prefix."
+    ),
     opt: list[str] = OPTIONS,
     mode: str | None = typer.Option(None, "--mode", "-m", help=MODE_HELP),
     epochs: int | None = typer.Option(None, "--epochs", help="Epochs per mode."),
@@ -103,6 +113,7 @@ def bench(
     prefetch: int | None = typer.Option(None, "--prefetch", help="Batches in flight per worker (prefetch_factor)."),
     scale: float | None = SCALE,
     seed: int = SEED,
+    quiet: bool = QUIET,
 ) -> None:
     """Run the workload against --source in each mode; print AU, throughput and latency."""
     require_extra("bench")
@@ -135,7 +146,7 @@ def bench(
         bandwidth_mbps=bandwidth,
         seed=seed,
     )
-    print_report(run_bench(config, progress), json_out, plot)
+    print_report(run_bench(config, quiet_progress if quiet else progress), json_out, plot)
 
 
 @app.command("generate")
@@ -148,6 +159,7 @@ def generate(
     record_size: int | None = RECORD_SIZE,
     opt: list[str] = OPTIONS,
     seed: int = SEED,
+    quiet: bool = QUIET,
 ) -> None:
     """Write a dataset of the workload's shape (random bytes; valid npz and JPEG files)."""
     from gpufeed.bench.generate import generate as write_dataset
@@ -155,7 +167,8 @@ def generate(
     work: Workload = workload(
         workload_name, scale=scale, samples=samples, samples_per_file=samples_per_file, record_size=record_size
     )
-    result = write_dataset(work, dest, parse_options(opt), seed=seed)
+    with Meter("generate", work.files, quiet=quiet) as meter:
+        result = write_dataset(work, dest, parse_options(opt), seed=seed, written=meter.update)
     out.print(
         f"wrote {result.files} {work.format} files, {human_bytes(result.bytes)} "
         f"({work.files * work.samples_per_file} samples) to {result.url} in {result.seconds:.1f} s",

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from rich.console import Console
-
-if TYPE_CHECKING:
-    from rich.progress import Progress
 
 out = Console()
 err = Console(stderr=True)
@@ -24,19 +20,3 @@ def human_bytes(size: float) -> str:
 
 def when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp)) if timestamp else "-"
-
-
-def transfer_progress(verb: str, files: int) -> Progress:
-    """The bar of a command that moves a known number of files and bytes (warmup, verify); its
-    task takes the field `files`, the count done so far."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
-    columns = (
-        TextColumn(verb),
-        BarColumn(),
-        TextColumn("{task.fields[files]}/" + str(files) + " files"),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
-    return Progress(*columns, console=err, transient=False)

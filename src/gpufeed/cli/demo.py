@@ -10,7 +10,7 @@ import typer
 
 from gpufeed.bench import demo as experiment
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS, check_shape
-from gpufeed.cli.bench import check_outputs, progress, require_extra
+from gpufeed.cli.bench import QUIET, check_outputs, progress, quiet_progress, require_extra
 from gpufeed.cli.console import out
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
@@ -38,6 +38,7 @@ def demo(
     samples: int | None = typer.Option(None, "--samples", help=f"Samples in the dataset (default {experiment.SAMPLES})."),
     out_dir: Path | None = typer.Option(None, "--out", help="Directory for the chart (and JSON); default GPUFEED_HOME/demo."),
     json_out: bool = typer.Option(False, "--json", help="Also write the results as demo.json."),
+    quiet: bool = QUIET,
 ) -> None:
     """Train one emulated accelerator from the same generated dataset three ways: local disk,
     direct from a store with object-storage latency, and through gpufeed (cold, then warm)."""
@@ -62,7 +63,7 @@ def demo(
         markup=False,
         highlight=False,
     )
-    result = experiment.run_demo(work, latency_ms, cap, progress)
+    result = experiment.run_demo(work, latency_ms, cap, quiet_progress if quiet else progress)
     out.print(demo_table(result))
     write_demo_plot(result, plot)
     out.print(f"chart: {plot}", markup=False, highlight=False)

@@ -8,6 +8,7 @@ from typing import Any
 import typer
 
 from gpufeed.cli.console import human_bytes, out, when
+from gpufeed.cli.progress import Meter
 from gpufeed.meta import Mount
 from gpufeed.meta.manifest import ManifestStats
 from gpufeed.namespace import Namespace, parse_options
@@ -55,14 +56,27 @@ def add(
         None, "--checksums", help="sha256sum/md5sum output ('<hex>  <path>', paths relative to the source root): content hashes."
     ),
     allow_empty: bool = typer.Option(False, "--allow-empty", help="Mount even when the listing finds no objects."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr; errors still print."),
+    as_json: bool = typer.Option(False, "--json", help="Print the mount and its counts as one JSON object."),
 ) -> None:
     """List a source once into a manifest and mount it."""
     options = parse_options(opt)
     if listing is not None:
         options["list"] = listing
-    mount, stats = Namespace().add_mount(
-        nspath, url, options, immutable=immutable, max_age=max_age, checksums=checksums, allow_empty=allow_empty
-    )
+    with Meter("mount add: listed", quiet=quiet, unit="objects", listing=True) as meter:
+        mount, stats = Namespace().add_mount(
+            nspath,
+            url,
+            options,
+            immutable=immutable,
+            max_age=max_age,
+            checksums=checksums,
+            allow_empty=allow_empty,
+            listed=lambda s: meter.update(s.files, s.bytes),
+        )
+    if as_json:
+        typer.echo(json.dumps({**_record(mount), "files": stats.files, "bytes": stats.bytes}))
+        return
     out.print(f"mounted {mount.url} at {mount.path}: {_summary(stats)}", highlight=False)
 
 
@@ -105,11 +119,14 @@ def rm(nspath: str = typer.Argument(..., help="Mount path to remove.")) -> None:
 
 
 @app.command("refresh")
-def refresh(nspath: str = typer.Argument(..., help="Mount path to re-list.")) -> None:
+def refresh(
+    nspath: str = typer.Argument(..., help="Mount path to re-list."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr; errors still print."),
+) -> None:
     """Re-list the source and switch to the new manifest atomically."""
-    mount, stats = Namespace().refresh(nspath)
+    with Meter("mount refresh: listed", quiet=quiet, unit="objects", listing=True) as meter:
+        mount, stats = Namespace().refresh(nspath, lambda s: meter.update(s.files, s.bytes))
     out.print(
-        f"refreshed {mount.path}: {stats.added} added, {stats.changed} changed, {stats.removed} removed "
-        f"({_summary(stats)})",
+        f"refreshed {mount.path}: {stats.added} added, {stats.changed} changed, {stats.removed} removed ({_summary(stats)})",
         highlight=False,
     )

@@ -7,7 +7,8 @@ import time
 import typer
 
 from gpufeed import verify as verifying
-from gpufeed.cli.console import err, human_bytes, out, transfer_progress
+from gpufeed.cli.console import err, human_bytes, out
+from gpufeed.cli.progress import Meter
 from gpufeed.client import Client
 
 
@@ -20,9 +21,8 @@ def verify(nspath: str = typer.Argument(..., help="Namespace path (a file or a d
     target = verifying.listed(client, nspath)
     files = target.files
     started = time.monotonic()
-    with transfer_progress("verifying", len(files)) as bar:
-        task = bar.add_task("verify", total=sum(f.size for f in files), files=0)
-        done = verifying.verify(client, target, lambda p: bar.update(task, completed=p.bytes, files=p.files))
+    with Meter("verify", len(files), sum(f.size for f in files)) as meter:
+        done = verifying.verify(client, target, lambda p: meter.update(p.files, p.bytes))
     for mismatch in done.mismatches:
         err.print(f"gpufeed: mismatch: {mismatch}", markup=False, highlight=False, soft_wrap=True)
     out.print(

@@ -7,13 +7,18 @@ sub-command would not do: the group's variadic PATH argument swallows its name.)
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
 from gpufeed import warmup as warming
-from gpufeed.cli.console import human_bytes, out, transfer_progress
+from gpufeed.cli.console import err, human_bytes, out
+from gpufeed.cli.progress import Meter
 from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument
 
@@ -37,6 +42,8 @@ def warmup(
     listing: Path | None = typer.Option(None, "--list", help="File with one namespace path per line."),
     concurrency: int = typer.Option(16, "--concurrency", "-p", min=1, max=1024, help="Files fetched at once."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print the total size and the cached fraction."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr; errors still print."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
     """Load PATHs into the node cache before a job reads them; 'warmup status' shows running ones.
 
@@ -62,19 +69,42 @@ def warmup(
         out.print(f"{count} files, {human_bytes(total)}; {fraction:.1%} cached ({to_fetch} to fetch)", highlight=False)
         return
     files = warming.files_under(client, wanted)
-    started = time.monotonic()
-    with transfer_progress("warming", len(files)) as bar:
-        task = bar.add_task("warmup", total=sum(f.size for f in files), files=0)
-        done = warming.warm(
-            client, files, wanted, concurrency, lambda p: bar.update(task, completed=p.done_bytes, files=p.done_files)
-        )
-    elapsed = time.monotonic() - started
+    try:
+        with Meter("warmup", len(files), sum(f.size for f in files), quiet) as meter:
+            done = warming.warm(client, files, wanted, concurrency, lambda p: meter.update(p.done_files, p.done_bytes))
+    except warming.Stopped as stop:
+        _stopped(stop, as_json)
+    elapsed = time.monotonic() - meter.started
     fetched = done.done_bytes - done.skipped_bytes
+    if as_json:
+        summary = {"files": done.done_files, "bytes": done.done_bytes, "fetched_bytes": fetched, "seconds": round(elapsed, 3)}
+        typer.echo(json.dumps(summary))
+        return
     out.print(
         f"warmed {done.done_files} files, {human_bytes(done.done_bytes)} in {elapsed:.1f} s: "
         f"fetched {human_bytes(fetched)}, {human_bytes(done.skipped_bytes)} were cached already",
         highlight=False,
     )
+
+
+def _stopped(stop: warming.Stopped, as_json: bool) -> NoReturn:
+    """Say how much is cached and leave at once with 130: the fetches still in flight are
+    dropped rather than waited for (they would keep a big object's Ctrl-C waiting for minutes)."""
+    p = stop.progress
+    cached = p.done_bytes + stop.partial_bytes
+    if as_json:
+        summary = {"interrupted": True, "files": p.done_files, "bytes": cached, "of_files": p.files, "of_bytes": p.bytes}
+        typer.echo(json.dumps(summary))
+    err.print(
+        f"gpufeed: interrupted: {p.done_files}/{p.files} files complete, {human_bytes(cached)} of "
+        f"{human_bytes(p.bytes)} cached; run the same warmup again to resume",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _touches(warming_paths: list[str], wanted: list[str]) -> bool:

@@ -45,6 +45,8 @@ DIRECT_CONCURRENCY = 64
 """Ranged GETs one batch keeps in flight when it reads from the source itself."""
 FETCH_BATCH = 4096
 """Blocks in one agent fetch request; a bigger batch is sent in several."""
+WARM_STEP = 64
+"""Blocks a warmup asks for at once: its progress moves every 256 MiB of a big object (4 MiB blocks)."""
 READ_AROUND_S = 2.0
 """How long a process reads around a block it asked the agent to cache. A block still missing
 later is queued behind others because the store's bandwidth is short: reading ranges around
@@ -300,7 +302,8 @@ class Client:
             (oid, index)
             for oid, (_, wanted, repairs) in blocks.items()
             for index in wanted
-            if now - since.get((oid, index), now) < READ_AROUND_S and index not in repairs
+            if now - since.get((oid, index), now) < READ_AROUND_S
+            and index not in repairs
             and blocks[oid][0].info.content_hash is None  # its blocks are cached only once the whole object is checked
         }
         block_bytes = 0
@@ -394,9 +397,7 @@ class Client:
                 groups[key] = (Group(SourceSpec(mount.url, options), [], credentials, mount.path), [])
             group, members = groups[key]
             members.append(handle)
-            group.objects.append(
-                ObjectWant(info, not mount.immutable, handle.blocks.block_size, blocks, repair)
-            )
+            group.objects.append(ObjectWant(info, not mount.immutable, handle.blocks.block_size, blocks, repair))
         return [group for group, _ in groups.values()], [h for _, members in groups.values() for h in members]
 
     def prefetch(self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool = True) -> Queued:
@@ -457,16 +458,20 @@ class Client:
             self._warn_once("uncached", f"the cache in {self.agent.primary} cannot hold more blocks; reading uncached")
         return uncached
 
-    def warm(self, handle: ObjectHandle) -> int:
+    def warm(self, handle: ObjectHandle, fetched: Callable[[int], None] | None = None) -> int:
         """Make every block of `handle` present in the node cache without reading it; returns
-        the bytes that were cached already."""
+        the bytes that were cached already. `fetched` hears the bytes of every WARM_STEP blocks
+        published, so a big object shows progress and a stopped warmup knows what it cached."""
         ref = handle.blocks
         if ref is None:
             return 0
         count = -(-handle.size // ref.block_size)
         missing = [i for i in range(count) if not os.path.exists(ref.path(i))]
-        if missing:
-            self._fetch([(handle, missing, [])])
+        for first in range(0, len(missing), WARM_STEP):
+            part = missing[first : first + WARM_STEP]
+            self._fetch([(handle, part, [])])
+            if fetched is not None:
+                fetched(sum(ref.length(i) for i in part))
         return handle.size - sum(ref.length(i) for i in missing)
 
     def cached_bytes(self, path: str) -> Iterator[tuple[FileStat, int]]:

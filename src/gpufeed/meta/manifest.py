@@ -107,15 +107,19 @@ def write_manifest(
     create: bool,
     hashes: dict[str, str] | None = None,
     check: Callable[[ManifestStats], None] | None = None,
+    progress: Callable[[ManifestStats], None] | None = None,
 ) -> tuple[Mount, ManifestStats]:
     """List `source` into a new generation and switch `mount` to it; the old one is dropped after.
     `hashes` (key -> "sha256:<hex>"…) go into the entries they name; `check` may refuse the
-    listing (raise) before anything is recorded."""
+    listing (raise) before anything is recorded; `progress` hears the counts after every batch
+    written, so a listing of millions of objects shows progress."""
     stats = ManifestStats()
     generation = engine.new_generation()
     try:
         for entries in entries_from_listing(source.list(), stats, hashes):
             engine.put_entries(generation, entries)
+            if progress is not None:
+                progress(stats)
         if hashes is not None:
             stats.unlisted = len(hashes)
             stats.unhashed = stats.unhashed or 0

@@ -1,0 +1,90 @@
+"""Progress of long commands when stderr is not a terminal, `--quiet`, `--json`, and Ctrl-C on a
+warmup of a big object: real processes over a real HTTP store behind the latency shaper."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from gpufeed.bench.shaper import shaping
+from tests.cli.test_cli import gpufeed, ok
+from tests.conftest import HttpServer
+
+FAST_LINES = {"GPUFEED_PROGRESS_INTERVAL": "0.05"}
+
+
+@pytest.fixture
+def slow_site(nginx: HttpServer, tmp_path: Path) -> Iterator[str]:
+    """An http:// URL of a fresh site behind 20 ms first-byte latency and a 8 MB/s cap."""
+    site = nginx.root / f"progress-{tmp_path.name}"
+    site.mkdir()
+    for i in range(12):
+        (site / f"{i:02d}.bin").write_bytes(os.urandom(4000))
+    upstream = urlsplit(nginx.url)
+    with shaping((upstream.hostname or "127.0.0.1", upstream.port or 80), 20, 8, tmp_path / "shaper.log") as port:
+        yield f"http://127.0.0.1:{port}/{site.name}"
+
+
+def test_plain_progress_lines_when_stderr_is_not_a_terminal(slow_site: str) -> None:
+    listed = gpufeed("mount", "add", "/slow", slow_site, env=FAST_LINES)
+    assert listed.returncode == 0, listed.stderr
+    assert "mount add: listed: 12 objects, 46.9 KiB" in listed.stderr.splitlines()[-1]
+    warm = gpufeed("warmup", "/slow", "-p", "1", env=FAST_LINES)
+    assert warm.returncode == 0, warm.stderr
+    lines = warm.stderr.splitlines()
+    assert len(lines) >= 3, "periodic lines while 12 files take 20 ms each, then one at the end"
+    assert all(line.startswith("warmup: ") for line in lines), lines
+    assert lines[-1].startswith("warmup: 12/12 files, 46.9 KiB/46.9 KiB, "), lines[-1]
+    assert "\x1b" not in warm.stderr, "no terminal escapes in a log"
+    assert "warmed 12 files" in warm.stdout and "warmup:" not in warm.stdout, "progress stays off stdout"
+
+
+def test_quiet_prints_no_progress_and_json_parses(slow_site: str) -> None:
+    mounted = gpufeed("mount", "add", "/slow", slow_site, "--quiet", "--json", env=FAST_LINES)
+    assert mounted.returncode == 0 and mounted.stderr == "", mounted.stderr
+    record = json.loads(mounted.stdout)
+    assert (record["path"], record["files"], record["bytes"]) == ("/slow", 12, 48000)
+    warm = gpufeed("warmup", "/slow", "--quiet", "--json", env=FAST_LINES)
+    assert warm.returncode == 0 and warm.stderr == "", warm.stderr
+    summary = json.loads(warm.stdout)
+    assert (summary["files"], summary["bytes"], summary["fetched_bytes"]) == (12, 48000, 48000)
+    assert json.loads(ok("warmup", "/slow", "-q", "--json"))["fetched_bytes"] == 0
+
+
+def test_ctrl_c_on_a_warmup_of_a_big_object_returns_at_once_and_says_what_is_cached(nginx: HttpServer, tmp_path: Path) -> None:
+    """64 MiB at 8 MB/s takes 8 s; SIGINT after the first progress line must end the process
+    within 1.5 s (the issue asks 1 s; the margin is for a loaded CI machine), exit 130."""
+    site = nginx.root / f"big-{tmp_path.name}"
+    site.mkdir()
+    (site / "shard.bin").write_bytes(os.urandom(64 << 20))
+    upstream = urlsplit(nginx.url)
+    with shaping((upstream.hostname or "127.0.0.1", upstream.port or 80), 20, 8, tmp_path / "shaper.log") as port:
+        ok("mount", "add", "/big", f"http://127.0.0.1:{port}/{site.name}", "-q")
+        warmup = subprocess.Popen(
+            [sys.executable, "-m", "gpufeed", "warmup", "/big"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "GPUFEED_PROGRESS_INTERVAL": "0.2"},
+        )
+        assert warmup.stderr is not None
+        first = warmup.stderr.readline()
+        assert first.startswith("warmup: 0/1 files"), first
+        warmup.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        _, rest = warmup.communicate(timeout=30)
+        took = time.monotonic() - sent
+    assert warmup.returncode == 130, rest
+    assert took < 1.5, f"Ctrl-C took {took:.2f} s"
+    stopped = rest.splitlines()[-1]
+    assert stopped.startswith("gpufeed: interrupted: 0/1 files complete, ") and "of 64.0 MiB cached" in stopped, rest
+    assert "Traceback" not in rest
