@@ -104,7 +104,9 @@ class Metrics:
         self.prefetch_s = 0.9 * self.prefetch_s + 0.1 * seconds
 
     def counters(self) -> dict[str, int]:
-        return {name: self.counts[name] for name in COUNTERS}
+        counts = {name: self.counts[name] for name in COUNTERS}
+        counts["misses"], counts["bytes_fetched"] = sum(self.misses.values()), sum(self.miss_bytes.values())
+        return counts
 
     def mount(self, name: str) -> str:
         """The label for a mount: its namespace path, or "other" once MOUNT_LABELS are in use."""
@@ -120,8 +122,6 @@ class Metrics:
         key = (self.mount(mount), tier)
         self.misses[key] += 1
         self.miss_bytes[key] += size
-        self.counts["misses"] += 1
-        self.counts["bytes_fetched"] += size
         self.store_get.observe(seconds)
         self.latency_s = 0.9 * self.latency_s + 0.1 * seconds
 
