@@ -62,7 +62,8 @@ class Settings:
         its open-file limit.
     metrics_addr: `GPUFEED_METRICS_ADDR`, HOST:PORT (or PORT, on 127.0.0.1) where the agent
         serves Prometheus metrics; empty: not served (`gpufeed metrics` works all the same).
-    log_format: `GPUFEED_LOG_FORMAT` = text | json, how the agent logs.
+    log_format: `GPUFEED_LOG_FORMAT` = text | json, how the agent and the command line log.
+    debug: `GPUFEED_DEBUG=1` (or `gpufeed --debug`): logged errors carry their tracebacks.
     progress_interval: seconds between the plain progress lines a long command writes when
         stderr is not a terminal (`GPUFEED_PROGRESS_INTERVAL`, 5).
     """
@@ -81,6 +82,7 @@ class Settings:
     open_blocks: int
     metrics_addr: str = ""
     log_format: str = "text"
+    debug: bool = False
     progress_interval: float = 5.0
 
     @classmethod
@@ -102,6 +104,7 @@ class Settings:
             open_blocks=int(_float_env("GPUFEED_OPEN_BLOCKS", 4096)),
             metrics_addr=_checked(os.environ.get("GPUFEED_METRICS_ADDR", ""), parse_addr, "GPUFEED_METRICS_ADDR"),
             log_format=_checked(os.environ.get("GPUFEED_LOG_FORMAT") or "text", parse_log_format, "GPUFEED_LOG_FORMAT"),
+            debug=os.environ.get("GPUFEED_DEBUG") == "1",
             progress_interval=_float_env("GPUFEED_PROGRESS_INTERVAL", 5.0),
         )
 

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = dataclasses.replace(settings, metrics_addr=args.metrics_addr)
         if args.log_format is not None:
             settings = dataclasses.replace(settings, log_format=parse_log_format(args.log_format))
-        configure(settings.log_format)
+        configure(settings.log_format, debug=settings.debug)
         dirs = tuple(d.expanduser().absolute() for d in args.cache_dir) or settings.cache_dirs
         size = parse_size(args.cache_size, "--cache-size") if args.cache_size else settings.cache_size
         run_agent(AgentConfig(dirs, size, settings.cache_free_ratio, args.idle_timeout), settings)

@@ -109,7 +109,7 @@ def agent(
     from gpufeed.logs import configure
 
     settings = asked.settings()
-    configure(settings.log_format)
+    configure(settings.log_format, debug=settings.debug)
     config = AgentConfig(settings.cache_dirs, settings.cache_size, settings.cache_free_ratio, idle_timeout)
     run_agent(config, settings)
 
