@@ -18,7 +18,7 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -247,6 +247,22 @@ class Agent:
             self.metrics.errors[errors.SourceError.code] += 1
             return Refused(Failure(errors.SourceError.code, f"agent: {exc}"))
 
+    @staticmethod
+    async def _unless_gone(
+        answering: Coroutine[object, object, Reply | None], ahead: asyncio.Task[Request | None]
+    ) -> Reply | None:
+        """Answer a fetch unless its reader hangs up first (a warmup stopped with Ctrl-C, a killed
+        job): then its fetches stop and None says so. Blocks other readers wait for are fetched
+        for them (`Fetcher.ensure`); a block being written is still published."""
+        task = asyncio.ensure_future(answering)
+        await asyncio.wait((task, ahead), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and (ahead.exception() is not None or ahead.result() is None):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+        return await task  # finished, or the reader sent its next request early: answer in order
+
     def _peer(self, writer: asyncio.StreamWriter) -> tuple[int, int]:
         """The connected process's pid and uid."""
         sock: socket.socket = writer.get_extra_info("socket")
@@ -278,11 +294,19 @@ class Agent:
         self.connections += 1
         conn = Connection(pid)
         self.metrics.connected(pid)
+        ahead: asyncio.Task[Request | None] | None = None
         try:
             if await self._handshake(reader, writer):
-                while (request := await codec.read_request(reader)) is not None:
+                while (request := await (ahead or codec.read_request(reader))) is not None:
+                    ahead = None
                     self.last_activity = time.monotonic()
-                    reply = await self.answer(request, conn)
+                    if isinstance(request, Fetch):
+                        ahead = asyncio.ensure_future(codec.read_request(reader))
+                        reply = await self._unless_gone(self.answer(request, conn), ahead)
+                        if reply is None:
+                            break
+                    else:
+                        reply = await self.answer(request, conn)
                     if reply is not None and not (isinstance(request, Hits) and not request.reply):  # one way stays one way
                         writer.write(codec.frame(reply))
                         await writer.drain()
@@ -291,6 +315,8 @@ class Agent:
         except asyncio.CancelledError:
             pass  # the agent is stopping
         finally:
+            if ahead is not None:
+                ahead.cancel()
             for session in conn.owned:
                 self.sessions.cancel(session)
             self.metrics.disconnected(pid)
