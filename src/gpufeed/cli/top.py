@@ -10,7 +10,6 @@ its first read, over the interval); the reading processes by pid. Readers report
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -21,7 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from gpufeed.cli.console import human_bytes, out
+from gpufeed.cli.console import human_bytes, out, print_json
 from gpufeed.cli.metrics import running_agent
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
@@ -161,7 +160,7 @@ def top(
             after = _usage(agent)
             shot = snapshot(before, after, pid)
             if as_json:
-                typer.echo(json.dumps(shot))
+                print_json(shot)
             else:
                 out.print(render(shot))
             if once:
