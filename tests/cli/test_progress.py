@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -97,3 +98,31 @@ def test_ctrl_c_on_a_warmup_of_a_big_object_returns_at_once_and_says_what_is_cac
             time.sleep(0.05)
         assert inflight == 0, "the agent still fetches for a warmup that is gone"
     assert "Traceback" not in (gpufeed_home / "cache" / "agent.log").read_text()
+
+
+def test_a_terminal_gets_a_live_bar_and_stdout_keeps_only_the_result(slow_site: str) -> None:
+    """stderr on a real pseudo-terminal: rich redraws one bar in place (cursor escapes), with
+    files, bytes of the total and the rate; stdout, a pipe, gets the result alone."""
+    ok("mount", "add", "/slow", slow_site, "-q")
+    main, side = pty.openpty()
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "120"}
+    warmup = subprocess.Popen(
+        [sys.executable, "-m", "gpufeed", "warmup", "/slow", "-p", "1"], stdout=subprocess.PIPE, stderr=side, env=env
+    )
+    os.close(side)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: the command closed the terminal's last writer
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(main)
+    stdout, _ = warmup.communicate(timeout=60)
+    assert warmup.returncode == 0
+    screen = shown.decode(errors="replace")
+    assert "\x1b[" in screen, "a bar drawn with terminal escapes"
+    assert "warmup" in screen and "12/12 files" in screen and "46.9/46.9 KiB" in screen, screen
+    assert stdout.decode().startswith("warmed 12 files") and b"\x1b" not in stdout, stdout
