@@ -155,9 +155,14 @@ class Agent:
             ("prefetch_queued", "Blocks queued or being fetched for prefetch sessions", self._queued()),
             ("prefetch_ahead_blocks", "Prefetched blocks not read yet: how far prefetch runs ahead",
              len(self.sessions.pinned)),
+            ("prefetch_ahead_samples", "Samples the live prefetch sessions have asked for ahead of their consumers",
+             self._ahead_samples()),
             ("fetches_in_flight", "Blocks (or whole objects) being fetched now", len(self.fetcher.inflight)),
             ("clients", "Reader connections", self.connections),
         ]
+
+    def _ahead_samples(self) -> int:
+        return sum(session.ahead_samples for session in self.sessions.sessions.values())
 
     def _queued(self) -> int:
         return sum(len(session.tasks) for session in self.sessions.sessions.values())
@@ -178,6 +183,7 @@ class Agent:
         session, created = self.sessions.open(request.session, request.pin)
         if created:
             conn.owned.add(session.name)
+        session.ahead_samples = request.ahead_samples
         jobs = self.fetcher.jobs(request.groups)
         self.fetcher.prefetch(session, jobs)
         return Queued(len(jobs), self.metrics.prefetch_s)
@@ -217,6 +223,7 @@ class Agent:
             prefetch_ahead=len(self.sessions.pinned),
             prefetch_lead_s=m.prefetch_lead.sum,
             prefetch_leads=sum(m.prefetch_lead.counts),
+            prefetch_ahead_samples=self._ahead_samples(),
             mounts=[
                 MountUsage(
                     mount,

@@ -400,12 +400,14 @@ class Client:
             group.objects.append(ObjectWant(info, not mount.immutable, handle.blocks.block_size, blocks, repair))
         return [group for group, _ in groups.values()], [h for _, members in groups.values() for h in members]
 
-    def prefetch(self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool = True) -> Queued:
+    def prefetch(
+        self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool = True, ahead_samples: int = 0
+    ) -> Queued:
         """Ask the agent to fetch these blocks soon, for prefetch `session`; returns at once.
         With `pin`, fetched blocks are not evicted until read or until the session ends.
         Raises AgentUnavailable; see gpufeed.prefetch for the window that calls this."""
         groups, _ = self._groups([(handle, blocks, []) for handle, blocks in wanted if handle.blocks is not None])
-        return self.agent.request(Prefetch(session, groups, pin), Queued)
+        return self.agent.request(Prefetch(session, groups, pin, ahead_samples), Queued)
 
     def _hint(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> None:
         """Have the agent cache blocks this client reads around; nobody waits for them."""
