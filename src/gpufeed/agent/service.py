@@ -30,6 +30,7 @@ from gpufeed.agent import exporter
 from gpufeed.agent.fetcher import Fetcher
 from gpufeed.agent.manager import AgentConfig, CacheManager
 from gpufeed.agent.metrics import OTHER, Metrics
+from gpufeed.agent.mounts import MountCoverage
 from gpufeed.agent.sessions import Sessions
 from gpufeed.config import Settings, parse_addr
 from gpufeed.errors import GpufeedError
@@ -110,7 +111,8 @@ class Agent:
         self.connections = 0
         self.last_activity = time.monotonic()
         self._stop: asyncio.Event | None = None
-        self.registry = exporter.registry(self.metrics, self.gauges)
+        self.coverage = MountCoverage(settings, config.dirs)
+        self.registry = exporter.registry(self.metrics, self.gauges, lambda: self.coverage.latest)
         self._handlers: dict[type, Callable[[Any, Connection], Awaitable[Reply | None]]] = {
             Hello: self._hello,
             Stats: self._stats,
@@ -346,6 +348,7 @@ class Agent:
                 stop_http = await exporter.serve(self.registry, *parse_addr(self.metrics_addr))
             except OSError as exc:
                 raise GpufeedError(f"--metrics-addr {self.metrics_addr}: {exc.strerror or exc}") from None
+            self.coverage.start()  # only a dashboard or a scrape reads it
         self._stop = asyncio.Event()
         self.fetcher.start()
         loop = asyncio.get_running_loop()
@@ -365,6 +368,7 @@ class Agent:
             if watcher:
                 watcher.cancel()
             if stop_http is not None:
+                self.coverage.stop()
                 await stop_http()
             server.close()
             state.unlink(missing_ok=True)
