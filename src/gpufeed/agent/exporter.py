@@ -72,7 +72,7 @@ class Collector:
             yield GaugeMetricFamily(f"gpufeed_{name}", what, value=value)
         total = GaugeMetricFamily("gpufeed_mount_bytes", "Bytes in each mount's manifest", labels=["mount"])
         cached = GaugeMetricFamily(
-            "gpufeed_mount_cached_bytes", "Bytes of each mount in the cache, as last counted (up to a minute old)",
+            "gpufeed_mount_cached_bytes", "Bytes of each mount in the cache, as last counted (seconds old; minutes for huge mounts)",
             labels=["mount"],
         )
         for mount, (size, present) in sorted(self.coverage().items())[:MOUNT_LABELS]:
