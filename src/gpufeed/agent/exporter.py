@@ -63,6 +63,9 @@ class Collector:
             ("uncached", "Blocks served uncached because the cache could not hold them"),
             ("prefetched", "Blocks prefetched and pinned until read"),
             ("prefetch_errors", "Prefetches that failed (the demand read fetches again)"),
+            ("peer_served", "Blocks this node served to peers"),
+            ("peer_served_bytes", "Bytes this node served to peers"),
+            ("peer_corrupt", "Blocks a peer sent damaged (the next owner or the store was read)"),
         ]:
             yield CounterMetricFamily(f"gpufeed_{name}", what, value=m.counts[name])
         yield _histogram("store_get_seconds", "Store GET time, first byte to last, per block or object", m.store_get)
@@ -72,7 +75,8 @@ class Collector:
             yield GaugeMetricFamily(f"gpufeed_{name}", what, value=value)
         total = GaugeMetricFamily("gpufeed_mount_bytes", "Bytes in each mount's manifest", labels=["mount"])
         cached = GaugeMetricFamily(
-            "gpufeed_mount_cached_bytes", "Bytes of each mount in the cache, as last counted (seconds old; minutes for huge mounts)",
+            "gpufeed_mount_cached_bytes",
+            "Bytes of each mount in the cache, as last counted (seconds old; minutes for huge mounts)",
             labels=["mount"],
         )
         for mount, (size, present) in sorted(self.coverage().items())[:MOUNT_LABELS]:
