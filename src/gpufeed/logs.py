@@ -10,6 +10,14 @@ import json
 import logging
 import time
 
+LIBRARY_PREFIX = "gpufeed: warning: "
+"""What the library's own warnings start with, so that a script that never configured logging
+(Python prints bare messages then) still sees where they come from; formatters drop it."""
+
+
+def _message(record: logging.LogRecord) -> str:
+    return record.getMessage().removeprefix(LIBRARY_PREFIX)
+
 
 def _error(record: logging.LogRecord) -> str:
     """The exception a record carries, as `Type: message` on one line."""
@@ -28,7 +36,7 @@ class TextFormatter(logging.Formatter):
             return super().format(record)
         kept = record.exc_info if self.debug else None
         brief = logging.makeLogRecord({**record.__dict__, "exc_info": kept, "exc_text": None})
-        brief.msg, brief.args = f"{record.getMessage()}: {_error(record)}", None
+        brief.msg, brief.args = f"{_message(record)}: {_error(record)}", None
         return super().format(brief)
 
 
@@ -36,7 +44,7 @@ class CliFormatter(TextFormatter):
     """`gpufeed: warning: …`, like the command line's own error lines."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
-        return f"gpufeed: {record.levelname.lower()}: {record.message}"
+        return f"gpufeed: {record.levelname.lower()}: {record.message.removeprefix(LIBRARY_PREFIX)}"
 
 
 class JsonFormatter(logging.Formatter):
@@ -51,7 +59,7 @@ class JsonFormatter(logging.Formatter):
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": _message(record),
         }
         if record.exc_info:
             event["error"] = _error(record)

@@ -106,7 +106,7 @@ class Client:
     def _warn_once(self, topic: str, message: str) -> None:
         if topic not in self._warned:
             self._warned.add(topic)
-            log.warning("%s", message)
+            log.warning("gpufeed: warning: %s", message)  # recognisable under logging's last resort too
 
     def _cache_dirs(self) -> tuple | None:
         try:
