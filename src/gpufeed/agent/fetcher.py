@@ -52,6 +52,8 @@ class Job:
     index: int
     mount: str = ""
     """The mount the reader named (`Group.mount`): misses are counted by it."""
+    group: Group | None = None
+    """The request's group, which a peer rebuilds the object's store from."""
 
     @property
     def block(self) -> BlockId:
@@ -131,7 +133,7 @@ class Fetcher:
                     raise errors.InvalidArgument(str(exc)) from None
                 if any(not 0 <= i < blocks.count for i in want.blocks):
                     raise errors.InvalidArgument(f"a block index is outside {info.key} ({info.size} bytes)")
-                jobs.extend(Job(number, source, want, blocks, index, group.mount) for index in want.blocks)
+                jobs.extend(Job(number, source, want, blocks, index, group.mount, group) for index in want.blocks)
                 number += 1
                 if len(jobs) > MAX_BLOCKS_PER_REQUEST:
                     raise errors.InvalidArgument(f"more than {MAX_BLOCKS_PER_REQUEST} blocks in one request")

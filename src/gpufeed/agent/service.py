@@ -31,6 +31,7 @@ from gpufeed.agent.fetcher import Fetcher
 from gpufeed.agent.manager import AgentConfig, CacheManager
 from gpufeed.agent.metrics import OTHER, Metrics
 from gpufeed.agent.mounts import MountCoverage
+from gpufeed.agent.peers import ClusterNode
 from gpufeed.agent.sessions import Sessions
 from gpufeed.config import Settings, parse_addr
 from gpufeed.errors import GpufeedError
@@ -111,6 +112,11 @@ class Agent:
         self.connections = 0
         self.last_activity = time.monotonic()
         self._stop: asyncio.Event | None = None
+        self.cluster = (
+            ClusterNode(settings, self.fetcher, config.dirs, self.metrics, self.manager.limit(), self._cluster_stats)
+            if settings.cluster
+            else None
+        )
         self.coverage = MountCoverage(settings, config.dirs)
         self.registry = exporter.registry(self.metrics, self.gauges, lambda: self.coverage.latest)
         self._handlers: dict[type, Callable[[Any, Connection], Awaitable[Reply | None]]] = {
@@ -161,7 +167,30 @@ class Agent:
              self._ahead_samples()),
             ("fetches_in_flight", "Blocks (or whole objects) being fetched now", len(self.fetcher.inflight)),
             ("clients", "Reader connections", self.connections),
+            *(
+                [
+                    ("cluster_members", "Live cluster members as this node sees them", len(self.cluster.membership.nodes)),
+                    ("cluster_suspects", "Peers skipped as suspect now", len(self.cluster.blocks.suspected())),
+                ]
+                if self.cluster is not None
+                else []
+            ),
         ]
+
+    def _cluster_stats(self) -> dict[str, Any]:
+        """What `gpufeed cluster status` shows of this node."""
+        m = self.metrics
+        fetched = {tier: sum(n for (_, t), n in m.miss_bytes.items() if t == tier) for tier in ("store", "peer")}
+        return {
+            "cache_bytes": self.manager.policy.bytes,
+            "limit": self.manager.limit(),
+            "hits": sum(m.hits.values()),
+            "misses": sum(m.misses.values()),
+            "store_bytes": fetched["store"],
+            "peer_bytes": fetched["peer"],
+            "served_blocks": m.counts["peer_served"],
+            "served_bytes": m.counts["peer_served_bytes"],
+        }
 
     def _ahead_samples(self) -> int:
         return sum(session.ahead_samples for session in self.sessions.sessions.values())
@@ -351,6 +380,8 @@ class Agent:
             self.coverage.start()  # only a dashboard or a scrape reads it
         self._stop = asyncio.Event()
         self.fetcher.start()
+        if self.cluster is not None:
+            await self.cluster.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
@@ -371,6 +402,8 @@ class Agent:
                 self.coverage.stop()
                 await stop_http()
             server.close()
+            if self.cluster is not None:
+                await self.cluster.stop()
             state.unlink(missing_ok=True)
             await self._quiesce()
         log.info("agent %d stopped", os.getpid())

@@ -8,7 +8,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
-from gpufeed.cli import agent, bench, cache, demo, files, metrics, mount, top, verify, warmup
+from gpufeed.cli import agent, bench, cache, cluster, demo, files, metrics, mount, top, verify, warmup
 from gpufeed.cli.console import err, out
 from gpufeed.errors import GpufeedError
 
@@ -61,6 +61,7 @@ def main(
 app.add_typer(mount.app, name="mount")
 app.add_typer(agent.app, name="agent")
 app.add_typer(cache.app, name="cache")
+app.add_typer(cluster.app, name="cluster")
 app.command("warmup")(warmup.warmup)
 app.command("verify")(verify.verify)
 app.add_typer(bench.app, name="bench")

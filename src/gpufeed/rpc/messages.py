@@ -231,3 +231,10 @@ class Refused(msgspec.Struct, tag="refused"):
 
 
 Reply = AgentInfo | Fetched | Queued | Cleared | Done | Refused | MetricsText | UsageInfo
+
+
+class PeerFetch(msgspec.Struct, tag="peer_fetch"):
+    """A peer's request to a block's owner (the peer HTTP API, not the local socket): the one
+    object and the one block it misses, as its reader named them, credentials included."""
+
+    group: Group
