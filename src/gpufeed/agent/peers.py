@@ -51,8 +51,11 @@ log = logging.getLogger("gpufeed.agent")
 MAX_REQUEST = 1 << 20
 CONNECT_TIMEOUT_S = 0.5
 READ_TIMEOUT_S = 10.0
-"""A peer that connects but sends nothing for this long is suspect (its store may be slow: it is
-still in the fetch's own time budget)."""
+"""A peer that took the request but sends nothing for this long is suspect: a hung process. Its
+store may be slow, so this is generous; a host that is gone is caught by UNACKED_S instead."""
+UNACKED_S = 1.0
+"""A request the peer's host has not acknowledged for this long fails (TCP_USER_TIMEOUT): a host
+off the network is skipped within a second even on a kept-alive connection."""
 PROBE_S = 1.0
 CHECKSUM = "X-Gpufeed-Xxh3"
 _decoder = msgspec.msgpack.Decoder(PeerFetch)
@@ -120,6 +123,14 @@ class PeerProbe:
             return False
 
 
+def _peer_socket(addr: tuple[int, int, int, str, Any]) -> socket.socket:
+    family, kind, proto, _, _ = addr
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(UNACKED_S * 1000))
+    return sock
+
+
 class PeerBlocks:
     """The owners of a block, asked in order before the store (`fetcher.BlockSource`)."""
 
@@ -133,7 +144,8 @@ class PeerBlocks:
 
     def start(self) -> None:
         timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        connector = aiohttp.TCPConnector(limit=0, socket_factory=_peer_socket)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         self.suspects = Suspects(PeerProbe(self.session, self.headers))
 
     def suspected(self) -> list[str]:
