@@ -20,9 +20,9 @@ from urllib.parse import urlsplit
 import pytest
 
 from gpufeed.bench.children import free_port
+from gpufeed.bench.netns import Host, bridged_hosts
 from gpufeed.bench.shaper import shaping
 from gpufeed.namespace import Namespace
-from tests.cluster.netns import Host, bridged_hosts
 from tests.conftest import HttpServer
 
 TOKEN = "netns-cluster-token-0123456789"

@@ -1,5 +1,7 @@
-"""Separate test hosts on one machine: network namespaces, each joined to a bridge on the host
-by a veth pair. Only addresses in the test's own subnet are used; everything is removed after."""
+"""Separate hosts on one machine, for the cluster's tests and benchmark: network namespaces,
+each joined to a bridge on the host by a veth pair (optionally shaped with `tc tbf`, so that
+links, not this machine's cores, are the limit). Only addresses in a subnet of its own are used;
+everything is removed after. Needs root."""
 
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ class Host:
 
 
 @contextmanager
-def bridged_hosts(count: int) -> Iterator[tuple[str, list[Host]]]:
-    """`count` hosts and the host machine's address on their bridge."""
+def bridged_hosts(count: int, link_mbit: float | None = None) -> Iterator[tuple[str, list[Host]]]:
+    """`count` hosts and the host machine's address on their bridge; with `link_mbit`, each
+    host's link sends and receives at most that many Mbit/s."""
     tag = f"{os.getpid() % 10000}"
     subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
     bridge = f"gfbr{tag}"
@@ -53,6 +56,12 @@ def bridged_hosts(count: int) -> Iterator[tuple[str, list[Host]]]:
             ip("-n", host.name, "addr", "add", f"{host.address}/24", "dev", host.link)
             ip("-n", host.name, "link", "set", host.link, "up")
             ip("-n", host.name, "link", "set", "lo", "up")
+            if link_mbit:
+                for side in (["tc"], ["ip", "netns", "exec", host.name, "tc"]):
+                    device = outside if side == ["tc"] else host.link
+                    rate = f"{link_mbit}mbit"
+                    subprocess.run([*side, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate, "burst", "256kb",
+                                    "latency", "50ms"], check=True, capture_output=True, timeout=30)
         yield f"{subnet}.1", hosts
     finally:
         for i, host in enumerate(hosts):
