@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import json
 import os
 import re
 import signal
@@ -157,3 +158,30 @@ def test_the_peer_api_refuses_a_wrong_token_garbage_and_oversized_requests(clust
     assert post(b"\0" * (2 << 20), TOKEN) == 413
     assert members[0].process.poll() is None, "the agent lives on"
     assert "refused: wrong or missing cluster token" in members[0].log.read_text()
+
+
+def test_cluster_status_lists_the_live_nodes_and_bad_settings_are_one_line(
+    cluster: tuple[str, list[Member]], tmp_path: Path
+) -> None:
+    url, members = cluster
+    shown = subprocess.run([sys.executable, "-m", "gpufeed", "cluster", "status", "--cluster", url, "--json"],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    nodes = json.loads(shown.stdout)
+    assert [node["id"] for node in nodes] == ["node0", "node1", "node2"]
+    assert all(node["address"] == f"127.0.0.1:{m.port}" and node["limit"] > 0 for node, m in zip(nodes, members, strict=True))
+    table = subprocess.run([sys.executable, "-m", "gpufeed", "cluster", "status", "--cluster", url],
+                           capture_output=True, text=True, timeout=60)
+    assert "3 live nodes" in table.stdout and "node1" in table.stdout
+    for argv, needle in [
+        (["cluster", "status", "--cluster", "http://nowhere"], "expected redis://HOST:PORT"),
+        (["cluster", "status", "--cluster", f"redis://127.0.0.1:{free_port()}/0"], "Connect"),
+        (["agent", "--cache-dir", str(tmp_path / "x"), "--cluster", url], "needs --peer-addr HOST:PORT"),
+    ]:
+        failed = subprocess.run([sys.executable, "-m", "gpufeed", *argv], capture_output=True, text=True, timeout=60)
+        assert failed.returncode != 0 and len(failed.stderr.strip().splitlines()) == 1, failed.stderr
+        assert failed.stderr.startswith("gpufeed: error: ") and needle in failed.stderr, failed.stderr
+    unset = {k: v for k, v in os.environ.items() if k != "GPUFEED_CLUSTER_TOKEN"}
+    no_token = subprocess.run([sys.executable, "-m", "gpufeed", "agent", "--cache-dir", str(tmp_path / "y"), "--cluster", url,
+                               "--peer-addr", f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60, env=unset)
+    assert no_token.returncode != 0 and "GPUFEED_CLUSTER_TOKEN" in no_token.stderr and "Traceback" not in no_token.stderr
