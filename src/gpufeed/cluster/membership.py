@@ -4,7 +4,10 @@ Keys under `prefix` (default `gpufeed:cluster`):
   members        sorted set, node id → the Redis server's time of its last heartbeat
   node:{id}      JSON: address, weight, capacity (written on join; expires unless renewed)
   stats:{id}     JSON: what `gpufeed cluster status` shows (cache use, hits, peer traffic)
-A node whose heartbeat is older than `ttl` seconds is not a member; times come from Redis's
+  version        counts joins and clean leaves
+A heartbeat writes three keys and reads two numbers, (version, live count); only when they
+change (a join, a leave, a heartbeat gone stale) does the node read the member list, so Redis's
+work grows with the cluster's churn, not with nodes times nodes (docs/CLUSTER.md). A node whose heartbeat is older than `ttl` seconds is not a member; times come from Redis's
 clock, so nodes' clocks need not agree. A node leaving cleanly removes itself at once.
 """
 
@@ -47,12 +50,15 @@ class Membership:
         """The live members, this node included, sorted by id."""
         self._known: dict[str, Node] = {me.id: me}
         self._failing = False
+        self._signature: tuple[object, int] | None = None
+        """(version, live count) when the member list was last read."""
 
     async def _now(self) -> float:
         seconds, micros = await self.redis.time()
         return seconds + micros / 1e6
 
     async def join(self) -> None:
+        await self.redis.incr(f"{self.prefix}:version")
         await self._beat()
         log.info("joined cluster %s as %s at %s (%d members)", self.where, self.me.id, self.me.address, len(self.nodes))
 
@@ -71,9 +77,13 @@ class Membership:
             pipe.set(f"{self.prefix}:stats:{me.id}", json.dumps({**self.stats(), "time": now}), ex=int(TTL_S * 4))
             pipe.zadd(f"{self.prefix}:members", {me.id: now})
             pipe.zremrangebyscore(f"{self.prefix}:members", "-inf", now - 100 * TTL_S)
-            pipe.zrangebyscore(f"{self.prefix}:members", now - TTL_S, "+inf")
-            *_, ids = await pipe.execute()
-        live = sorted(str(i) for i in ids)
+            pipe.get(f"{self.prefix}:version")
+            pipe.zcount(f"{self.prefix}:members", now - TTL_S, "+inf")
+            *_, version, count = await pipe.execute()
+        if (version, count) == self._signature:
+            return
+        self._signature = (version, count)
+        live = sorted(str(i) for i in await self.redis.zrangebyscore(f"{self.prefix}:members", now - TTL_S, "+inf"))
         unknown = [i for i in live if i not in self._known]
         if unknown:
             for node_id, raw in zip(unknown, await self.redis.mget([f"{self.prefix}:node:{i}" for i in unknown]), strict=True):
@@ -105,6 +115,7 @@ class Membership:
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.zrem(f"{self.prefix}:members", self.me.id)
+                pipe.incr(f"{self.prefix}:version")
                 pipe.delete(f"{self.prefix}:node:{self.me.id}", f"{self.prefix}:stats:{self.me.id}")
                 await pipe.execute()
             log.info("left cluster %s", self.where)
