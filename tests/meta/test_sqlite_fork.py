@@ -34,9 +34,13 @@ def test_forks_while_a_thread_connects_and_queries_never_hang(tmp_path: Path) ->
     try:
         for _ in range(FORKS):
             pid = os.fork()
-            if pid == 0:  # the child: a fresh connection, one lookup, out
-                ok = engine.lookup(generation, "", "f0007") == Entry("", "f0007", False, 7)
-                os._exit(0 if ok else 1)
+            if pid == 0:  # the child: a fresh connection, one lookup, out (never back into pytest)
+                try:
+                    ok = engine.lookup(generation, "", "f0007") == Entry("", "f0007", False, 7)
+                    os._exit(0 if ok else 1)
+                except BaseException as exc:  # reported to the parent through a file
+                    (tmp_path / f"child-{os.getpid()}.err").write_text(repr(exc))
+                    os._exit(2)
             children.append(pid)
     finally:
         stop.set()
@@ -51,5 +55,6 @@ def test_forks_while_a_thread_connects_and_queries_never_hang(tmp_path: Path) ->
             os.kill(pid, 9)
             os.waitpid(pid, 0)
         else:
-            assert os.waitstatus_to_exitcode(done[1]) == 0
+            error = tmp_path / f"child-{pid}.err"
+            assert os.waitstatus_to_exitcode(done[1]) == 0, error.read_text() if error.exists() else "a wrong row"
     assert stuck == [], f"{len(stuck)} of {FORKS} forked children hung in SQLite"
