@@ -195,6 +195,7 @@ class FeedOperations(mfusepy.Operations):
         """FUSE path → (version, size) the kernel was told: what a refresh must invalidate."""
         self._fuse: int | None = None
         self.started = False
+        self._logged: set[str] = set()
         self.prefetcher = _Prefetch(client, nspath, state)
 
     def _ns(self, path: str) -> str:
@@ -290,9 +291,14 @@ class FeedOperations(mfusepy.Operations):
         return 0
 
     def _failed(self, what: str, path: str, exc: GpufeedError) -> Any:
-        """One line naming the object, and EIO to the reader."""
+        """EIO to the reader, and one line naming the object: the kernel retries a failed page
+        read once more on its own, so a failure already logged is not logged again."""
         self.state.errors += 1
-        log.error("gpufeed fuse: %s of %s failed: %s", what, self._ns(path), exc)
+        name = self._ns(path)
+        message = str(exc) if name in str(exc) else f"{name}: {exc}"
+        if message not in self._logged:
+            self._logged.add(message)
+            log.error("gpufeed fuse: %s failed, EIO: %s", what, message)
         raise mfusepy.FuseOSError(errno.EIO) from None
 
     def _watch(self) -> None:
@@ -349,7 +355,22 @@ def _read_ahead_kb(mountpoint: Path, kib: int) -> None:
 
 class _FeedFUSE(mfusepy.FUSE):
     """mfusepy's FUSE with a read that copies the read path's buffer (a memoryview, often of
-    a mapped block) into libfuse's once, with no bytes object in between."""
+    a mapped block) into libfuse's once, with no bytes object in between; and with Python
+    thread states that outlive a callback."""
+
+    _kept: set[int] = set()
+
+    def _wrapper(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """ctypes gives a libfuse thread a Python thread state for one callback and drops it
+        after, and with it every threading.local: the agent connection (a handshake per
+        miss), the SQLite connection (one open per getattr), the read buffers. One extra
+        PyGILState_Ensure on a thread's first callback keeps its state for the thread's life
+        (libfuse keeps its few worker threads)."""
+        ident = threading.get_ident()
+        if ident not in self._kept:
+            self._kept.add(ident)
+            ctypes.pythonapi.PyGILState_Ensure()
+        return super()._wrapper(func, *args, **kwargs)
 
     def read(self, path: bytes | None, buf: Any, size: int, offset: int, fip: Any) -> int:
         data = self.operations.read(path.decode() if path else "", size, offset, fip.contents)
