@@ -116,7 +116,11 @@ class _Prefetch(threading.Thread):
                 continue
             except queue.Empty:
                 pass
-            if warming is not None and next(warming, _DONE) is _DONE:
+            try:
+                if warming is not None and next(warming, _DONE) is _DONE:
+                    warming = None
+            except GpufeedError as exc:  # the manifest went away under the warmup: read-ahead goes on
+                log.warning("gpufeed fuse: warmup of %s stopped: %s", self.nspath, exc)
                 warming = None
 
     def _send(self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool) -> bool:
