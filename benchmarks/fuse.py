@@ -37,11 +37,12 @@ from pathlib import Path
 
 import torch
 from common import scratch_home
-from epochs import BUCKET, CREDENTIALS, Epoch, calibrate, collate, make_jpegs, run_epoch, s3_store
+from epochs import BUCKET, CREDENTIALS, Epoch, calibrate, collate, cpu_s, make_jpegs, run_epoch, s3_store
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 import gpufeed
+from gpufeed.bench.server import serving
 from gpufeed.bench.shaper import shaping
 from gpufeed.config import Settings
 from gpufeed.integrations import fuse_mounts
@@ -145,6 +146,7 @@ class Loop:
     name: str
     epochs: list[Epoch] = field(default_factory=list)
     callbacks: list[str] = field(default_factory=list)
+    daemon_cpu_s: list[float] = field(default_factory=list)
 
 
 def calls_now(point: Path) -> dict[str, int]:
@@ -158,6 +160,11 @@ def calls_now(point: Path) -> dict[str, int]:
             return dict(state["calls"])  # type: ignore[call-overload]
         time.sleep(0.1)
     sys.exit(f"the gpufeed daemon at {point} wrote no state file")
+
+
+def daemon_pid(point: Path) -> int:
+    state = fuse_mounts.state(Settings.from_env(), point) or {}
+    return int(state.get("pid", 0))  # type: ignore[call-overload]
 
 
 def per_open(before: dict[str, int], after: dict[str, int]) -> str:
@@ -176,8 +183,11 @@ def run_loop(name: str, root: Path, args: argparse.Namespace, step_s: float, gpu
         order = RandomSampler(dataset, generator=torch.Generator().manual_seed(epoch))
         loader = DataLoader(dataset, batch_size=args.batch, sampler=order, num_workers=args.workers, collate_fn=collate)
         before = calls_now(gpufeed_at) if gpufeed_at else {}
+        daemon = daemon_pid(gpufeed_at) if gpufeed_at else 0
+        cpu = cpu_s(daemon)
         loop.epochs.append(run_epoch(loader, step_s))
         if gpufeed_at:
+            loop.daemon_cpu_s.append(cpu_s(daemon) - cpu)
             loop.callbacks.append(per_open(before, calls_now(gpufeed_at)))
         print(f"  {name}: epoch {epoch + 1} {loop.epochs[-1].samples_s:,.0f} samples/s", file=sys.stderr, flush=True)
     return loop
@@ -223,7 +233,7 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--busy", type=float, default=0.9, help="accelerator busy share on local disk (0: no step)")
     parser.add_argument("--big-mib", type=int, default=1024)
-    parser.add_argument("--skip", default="", help="comma-separated: rclone, s3fs, big")
+    parser.add_argument("--skip", default="", help="comma-separated: rclone, s3fs, nginx, big")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if os.geteuid() != 0:
@@ -263,6 +273,13 @@ def main() -> None:
                 if "s3fs" not in skip and shutil.which("s3fs"):
                     with s3fs_mount(work / "mnt-s3fs", remote, work / "s3fs-cache") as point:
                         loops.append(run_loop("s3fs use_cache", point, args, step_s))
+        if "nginx" not in skip:  # the same files at a store whose server costs this machine little CPU
+            with serving(root.parent, work / "nginx") as http_url:
+                port = int(http_url.rsplit(":", 1)[1])
+                with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper-http.log") as shaped:
+                    Namespace().add_mount("/http", f"http://127.0.0.1:{shaped}/{root.name}")
+                    with gpufeed_mount(work / "mnt-http", "/http") as point:
+                        loops.append(run_loop("gpufeed fuse, nginx", point, args, step_s, gpufeed_at=point))
         loops.append(run_loop("local disk, again", root, args, step_s))
         big = [] if "big" in skip else big_file(work, args.big_mib)
 
@@ -278,8 +295,12 @@ def main() -> None:
         if loop.name.startswith(("rclone", "s3fs")):
             print(f"gpufeed fuse vs {loop.name}: epoch 1 {feed.epochs[0].samples_s / loop.epochs[0].samples_s:.1f}x, "
                   f"epoch 2 {feed.epochs[1].samples_s / loop.epochs[1].samples_s:.1f}x")  # fmt: skip
-    for n, text in enumerate(feed.callbacks, 1):
-        print(f"gpufeed fuse epoch {n}: {text}")
+    for loop in (loop for loop in loops if loop.callbacks):
+        for n, (epoch, text, daemon) in enumerate(zip(loop.epochs, loop.callbacks, loop.daemon_cpu_s, strict=True), 1):
+            spent = epoch.cpu_s
+            print(f"{loop.name} epoch {n}: {text}; CPU in {args.files / epoch.samples_s:.1f} s of wall: FUSE daemon "
+                  f"{daemon:.1f} s, agent {spent['agent']:.1f} s, latency shaper {spent['shaper']:.1f} s, "
+                  f"store server {spent['store']:.1f} s")  # fmt: skip
     if big:
         base = dict(big)
         for name, rate in big:
