@@ -23,7 +23,7 @@ from gpufeed.client import Client
 from gpufeed.config import Settings
 from gpufeed.integrations import fuse_mounts
 from gpufeed.namespace import Namespace
-from tests.agent.test_agent import agent_pids, make_files
+from tests.agent.test_agent import agent_pids, make_files, stats
 from tests.cli.test_cli import fails, ok
 from tests.conftest import HttpServer
 
@@ -248,3 +248,15 @@ def test_ls_lists_mounts_with_their_callbacks(tmp_path: Path, mountpoint: Path) 
     [row] = json.loads(ok("fuse", "ls", "--json"))
     assert row["mountpoint"] == str(mountpoint) and row["nspath"] == "/data" and row["alive"]
     assert row["calls"]["read"] == 4  # one read callback for each small file
+
+
+def test_a_sequential_reader_of_a_big_file_has_the_next_blocks_prefetched(tmp_path: Path, mountpoint: Path) -> None:
+    data = os.urandom(20 << 20)  # five 4 MiB blocks
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big.bin").write_bytes(data)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    mount(mountpoint, "/data", "--no-warmup")
+    with open(mountpoint / "big.bin", "rb") as f:
+        assert f.read(1 << 20) == data[: 1 << 20]
+        until(lambda: stats().prefetched >= 2, what="blocks 1 and 2 prefetched while block 0 is read")
+        assert f.read() == data[1 << 20 :]
