@@ -235,6 +235,12 @@ def test_bad_input_is_one_line(tmp_path: Path, mountpoint: Path) -> None:
     with pytest.raises(fuse_mounts.FuseError, match="/nodev/fuse does not exist"):
         fuse_mounts.check(Settings.from_env(), mountpoint, device=Path("/nodev/fuse"))
     assert "no gpufeed mount there" in fails(1, "fuse", "stop", str(mountpoint))
+    nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    refused = subprocess.run([*nobody, sys.executable, "-m", "gpufeed", "fuse", str(mountpoint), "/data"],
+                             capture_output=True, text=True, env={**os.environ, "GPUFEED_HOME": "/nonexistent"})  # fmt: skip
+    assert refused.returncode == 1 and refused.stderr.splitlines() == [
+        f"gpufeed: error: {mountpoint}: permission denied: mount on a directory you own and can write"
+    ]
     assert shutil.which("fusermount3") is not None
 
 

@@ -46,10 +46,10 @@ def fuse(
     nspath = words[1] if len(words) == 2 else "/"
     from gpufeed.client import Client
 
+    mountpoint = fuse_mounts.check(settings, Path(words[0]))
     client = Client(settings)
     if not client.stat(nspath).is_dir:
         raise InvalidArgument(f"{nspath}: is a file; mount a directory of the namespace")
-    mountpoint = fuse_mounts.check(settings, Path(words[0]))
     if foreground:
         from gpufeed.integrations.fuse import serve  # loads libfuse
 

@@ -108,20 +108,27 @@ def check(settings: Settings, mountpoint: Path, device: Path = FUSE_DEVICE) -> P
         state_file(settings.home, mountpoint).unlink(missing_ok=True)
     if mountpoint in mounted():
         raise FuseError(f"{mountpoint}: a gpufeed mount is already there; stop it first with 'gpufeed fuse stop {mountpoint}'")
+    try:
+        _usable(mountpoint)
+    except PermissionError:  # a parent or the dir itself this user may not search or read
+        raise FuseError(f"{mountpoint}: {DENIED}") from None
+    return mountpoint
+
+
+DENIED = "permission denied: mount on a directory you own and can write"
+
+
+def _usable(mountpoint: Path) -> None:
     if not mountpoint.exists():
         raise FuseError(f"{mountpoint}: no such directory; create it first (mkdir -p {mountpoint})")
     if not mountpoint.is_dir():
         raise FuseError(f"{mountpoint}: not a directory")
     if os.path.ismount(mountpoint):
         raise FuseError(f"{mountpoint}: something else is mounted there")
-    try:
-        if any(mountpoint.iterdir()):
-            raise FuseError(f"{mountpoint}: not empty; mount on an empty directory")
-    except PermissionError:
-        raise FuseError(f"{mountpoint}: permission denied: cannot read the directory") from None
+    if any(mountpoint.iterdir()):
+        raise FuseError(f"{mountpoint}: not empty; mount on an empty directory")
     if os.getuid() != 0 and (mountpoint.stat().st_uid != os.getuid() or not os.access(mountpoint, os.W_OK)):
-        raise FuseError(f"{mountpoint}: permission denied: mount on a directory you own and can write")
-    return mountpoint
+        raise FuseError(f"{mountpoint}: {DENIED}")
 
 
 def _tail(log: Path) -> str:
