@@ -136,13 +136,14 @@ def test_a_killed_daemon_leaves_a_dead_mount_that_the_next_mount_cleans(tmp_path
     assert mountpoint not in fuse_mounts.mounted()
 
 
-def test_sigterm_unmounts_a_foreground_mount(tmp_path: Path, mountpoint: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_unmounts_a_foreground_mount(tmp_path: Path, mountpoint: Path, stop: signal.Signals) -> None:
     make_files(tmp_path / "src", 3, 1000)
     Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
     daemon = subprocess.Popen([sys.executable, "-m", "gpufeed", "fuse", str(mountpoint), "/data", "--foreground"])
     until(lambda: mountpoint in fuse_mounts.mounted() or daemon.poll() is not None, what="the mount")
     assert len(os.listdir(mountpoint)) == 3
-    daemon.send_signal(signal.SIGTERM)
+    daemon.send_signal(stop)
     assert daemon.wait(timeout=20) == 0
     assert mountpoint not in fuse_mounts.mounted()
 
@@ -216,7 +217,8 @@ def test_a_refresh_shows_the_new_bytes_and_a_store_failure_is_eio(tmp_path: Path
 
     (src / "00000.bin").write_bytes(b"new bytes, new size")
     ok("mount", "refresh", "/data")
-    until(lambda: (mountpoint / "00000.bin").read_bytes() == b"new bytes, new size", what="the refresh to show")
+    until(lambda: (mountpoint / "00000.bin").stat().st_size == 19, what="the refresh to reach the kernel's attributes")
+    assert (mountpoint / "00000.bin").read_bytes() == b"new bytes, new size"
     assert (mountpoint / "00001.bin").read_bytes() == b"changed since listing"
 
 
