@@ -282,7 +282,8 @@ class FeedOperations(mfusepy.Operations):
         except GpufeedError as exc:
             self._failed("open", path, exc)
         seen = (handle.info.version, handle.size)
-        fi.keep_cache = int(self._served.get(path) == seen)  # a changed object's old pages are dropped
+        # a changed object's old pages are dropped; a mount with the cache off keeps none
+        fi.keep_cache = int(self._served.get(path) == seen and handle.blocks is not None)
         self._served[path] = seen
         with self._lock:
             self._next_fh += 1
