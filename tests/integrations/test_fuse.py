@@ -268,3 +268,18 @@ def test_a_sequential_reader_of_a_big_file_has_the_next_blocks_prefetched(tmp_pa
         assert f.read(1 << 20) == data[: 1 << 20]
         until(lambda: stats().prefetched >= 2, what="blocks 1 and 2 prefetched while block 0 is read")
         assert f.read() == data[1 << 20 :]
+
+
+def test_bench_reads_through_a_plain_fuse_view_and_through_the_cached_mount(tmp_path: Path) -> None:
+    from gpufeed.bench.modes import MODES
+    from gpufeed.bench.runner import BenchConfig, run_bench
+    from tests.bench.helpers import dataset, tiny
+
+    work = tiny(samples=24, batch=4, compute=0.01, epochs=2, workers=2)
+    config = BenchConfig(work, dataset(tmp_path / "data", work), modes=(MODES["fuse-direct"], MODES["fuse"]), latency_ms=20)
+    plain, cached = run_bench(config).modes
+    assert [e.samples for e in plain.epochs + cached.epochs] == [24] * 4
+    assert cached.epochs[0].source_bytes == 24 * 114_660 and cached.epochs[1].source_bytes == 0
+    assert cached.epochs[1].latency_p50_ms < 20, "warm samples come from the mount's page cache"
+    assert plain.epochs[1].latency_p50_ms >= 20, "a plain view asks the store again"
+    assert not [p for p in fuse_mounts.mounted() if "gpufeed-bench-" in str(p)], "the run's mounts are gone"

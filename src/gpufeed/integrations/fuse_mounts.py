@@ -162,6 +162,17 @@ def wait_until(done: Callable[[], bool], timeout: float, step: float = 0.05) -> 
     return True
 
 
+def _environment(settings: Settings) -> dict[str, str]:
+    """Ours, with `settings`' home, metadata and cache dirs: the daemon serves the namespace and
+    cache its starter uses (a benchmark's private home, say), not the environment's."""
+    env = {**os.environ, "GPUFEED_HOME": str(settings.home), "GPUFEED_CACHE_DIRS": ":".join(map(str, settings.cache_dirs))}
+    if settings.meta_url:
+        env["GPUFEED_META"] = settings.meta_url
+    else:
+        env.pop("GPUFEED_META", None)
+    return env
+
+
 def start(settings: Settings, mountpoint: Path, nspath: str, *, warmup: bool) -> int:
     """Start the daemon in the background and wait until the mount is up; returns its pid.
     The daemon logs to GPUFEED_HOME/fuse/<mountpoint>.log."""
@@ -169,7 +180,12 @@ def start(settings: Settings, mountpoint: Path, nspath: str, *, warmup: bool) ->
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         daemon = subprocess.Popen(
-            daemon_argv(mountpoint, nspath, warmup), stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+            daemon_argv(mountpoint, nspath, warmup),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            env=_environment(settings),
         )
     up = wait_until(lambda: mountpoint in mounted() or daemon.poll() is not None, START_TIMEOUT_S)
     if daemon.poll() is not None:
