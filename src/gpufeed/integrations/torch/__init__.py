@@ -1,14 +1,14 @@
 """PyTorch datasets and a sampler over the gpufeed namespace.
 
-dataset = FeedDataset("/data/train", transform=decode)
-sampler = FeedSampler(dataset, seed=0)          # prefetches what the epoch reads next
-loader = FeedLoader(dataset, batch_size=32, sampler=sampler, num_workers=4)
-sampler.load_state_dict(checkpoint["sampler"])  # when resuming
-for epoch in range(sampler.epoch, epochs):
-    sampler.set_epoch(epoch)
-    for batch in loader:
-        ...
-        checkpoint["sampler"] = sampler.state_dict()
+    dataset = FeedDataset("/data/train", transform=decode)
+    sampler = FeedSampler(dataset, seed=0)          # prefetches what the epoch reads next
+    loader = FeedLoader(dataset, batch_size=32, sampler=sampler, num_workers=4)
+    sampler.load_state_dict(checkpoint["sampler"])  # when resuming
+    for epoch in range(sampler.epoch, epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            ...
+            checkpoint["sampler"] = sampler.state_dict()
 """
 
 from __future__ import annotations
