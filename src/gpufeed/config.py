@@ -6,6 +6,7 @@ child processes can change the environment and get a fresh view.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Callable
@@ -62,9 +63,18 @@ class Settings:
         its open-file limit.
     metrics_addr: `GPUFEED_METRICS_ADDR`, HOST:PORT (or PORT, on 127.0.0.1) where the agent
         serves Prometheus metrics; empty: not served (`gpufeed metrics` works all the same).
-    log_format: `GPUFEED_LOG_FORMAT` = text | json, how the agent logs.
+    log_format: `GPUFEED_LOG_FORMAT` = text | json, how the agent and the command line log.
+    debug: `GPUFEED_DEBUG=1` (or `gpufeed --debug`): logged errors carry their tracebacks.
     progress_interval: seconds between the plain progress lines a long command writes when
         stderr is not a terminal (`GPUFEED_PROGRESS_INTERVAL`, 5).
+    cluster: `GPUFEED_CLUSTER`, the cache cluster's Redis (`redis://HOST:PORT/DB`); empty: this
+        node caches alone. The peer token comes from `GPUFEED_CLUSTER_TOKEN_FILE` or
+        `GPUFEED_CLUSTER_TOKEN` (`agent.peers.load_token`), never from here.
+    peer_addr: `GPUFEED_PEER_ADDR`, HOST:PORT the agent's peer API binds (needed with a cluster).
+    advertise: `GPUFEED_PEER_ADVERTISE`, HOST:PORT the other nodes reach it at (default peer_addr).
+    replicas: `GPUFEED_CLUSTER_REPLICAS`, owners per block (1; 2 to fail over without the store).
+    node_weight: `GPUFEED_NODE_WEIGHT`, this node's share of ownership relative to others (1).
+    node_id: `GPUFEED_NODE_ID`, default HOSTNAME@ADVERTISED-ADDRESS.
     """
 
     home: Path
@@ -81,7 +91,14 @@ class Settings:
     open_blocks: int
     metrics_addr: str = ""
     log_format: str = "text"
+    debug: bool = False
     progress_interval: float = 5.0
+    cluster: str = ""
+    peer_addr: str = ""
+    advertise: str = ""
+    replicas: int = 1
+    node_weight: float = 1.0
+    node_id: str = ""
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -102,7 +119,14 @@ class Settings:
             open_blocks=int(_float_env("GPUFEED_OPEN_BLOCKS", 4096)),
             metrics_addr=_checked(os.environ.get("GPUFEED_METRICS_ADDR", ""), parse_addr, "GPUFEED_METRICS_ADDR"),
             log_format=_checked(os.environ.get("GPUFEED_LOG_FORMAT") or "text", parse_log_format, "GPUFEED_LOG_FORMAT"),
+            debug=os.environ.get("GPUFEED_DEBUG") == "1",
             progress_interval=_float_env("GPUFEED_PROGRESS_INTERVAL", 5.0),
+            cluster=os.environ.get("GPUFEED_CLUSTER", ""),
+            peer_addr=_checked(os.environ.get("GPUFEED_PEER_ADDR", ""), parse_addr, "GPUFEED_PEER_ADDR"),
+            advertise=_checked(os.environ.get("GPUFEED_PEER_ADVERTISE", ""), parse_addr, "GPUFEED_PEER_ADVERTISE"),
+            replicas=int(_float_env("GPUFEED_CLUSTER_REPLICAS", 1)),
+            node_weight=_float_env("GPUFEED_NODE_WEIGHT", 1.0),
+            node_id=os.environ.get("GPUFEED_NODE_ID", ""),
         )
 
 
@@ -122,6 +146,50 @@ def parse_addr(text: str, what: str = "--metrics-addr") -> tuple[str, int]:
 
         raise InvalidArgument(f"{what} {text!r}: expected HOST:PORT or PORT, e.g. 127.0.0.1:9400")
     return host or "127.0.0.1", int(port)
+
+
+CLUSTER_FLAGS = {
+    "--cluster": "cluster",
+    "--peer-addr": "peer_addr",
+    "--advertise": "advertise",
+    "--replicas": "replicas",
+    "--weight": "node_weight",
+    "--node-id": "node_id",
+}
+"""The agent's cluster flags and the settings they set (`python -m gpufeed.agent`, `gpufeed agent`)."""
+
+
+def with_cluster_flags(settings: Settings, flags: dict[str, str | None]) -> Settings:
+    """`settings` with the cluster flags given (flag → text; None: not given) applied, checked."""
+    changes: dict[str, object] = {}
+    for flag, text in flags.items():
+        if text is None:
+            continue
+        field = CLUSTER_FLAGS[flag]
+        if field in ("peer_addr", "advertise"):
+            parse_addr(text, flag)
+        if field in ("replicas", "node_weight"):
+            try:
+                number = int(text) if field == "replicas" else float(text)
+            except ValueError:
+                from gpufeed.errors import InvalidArgument
+
+                raise InvalidArgument(f"{flag} {text!r}: expected a number") from None
+            changes[field] = number
+        else:
+            changes[field] = text
+    return dataclasses.replace(settings, **changes)  # type: ignore[arg-type]
+
+
+def cluster_argv(settings: Settings) -> list[str]:
+    """The flags that give a spawned agent this node's cluster settings."""
+    argv: list[str] = []
+    if settings.cluster:
+        for flag, field in CLUSTER_FLAGS.items():
+            value = getattr(settings, field)
+            if value not in ("", None):
+                argv += [flag, str(value)]
+    return argv
 
 
 def parse_log_format(text: str, what: str = "--log-format") -> str:

@@ -53,7 +53,8 @@ class Prefetcher:
         self.min_bytes = min_bytes
         self.max_bytes = max_bytes
         self._handles: collections.OrderedDict[str, ObjectHandle] = collections.OrderedDict()
-        self._queue: queue.Queue[list[tuple[ObjectHandle, list[int]]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[list[tuple[ObjectHandle, list[int]]], int] | None] = queue.Queue()
+        """Batches of wanted blocks, each with the samples asked for ahead of the consumer then."""
         self._thread: threading.Thread | None = None
         self._session = f"{id(self):x}-{time.monotonic_ns():x}"
         self.latency_s = DEFAULT_LATENCY_S
@@ -86,12 +87,13 @@ class Prefetcher:
         """Background thread: send each batch of wanted blocks to the agent, in order. Blocks
         already on disk are not asked for again: a warm epoch costs a stat per block here
         instead of an agent round trip per block."""
-        while (batch := self._queue.get()) is not None:
+        while (queued := self._queue.get()) is not None:
+            batch, ahead = queued
             missing = [(handle, absent) for handle, blocks in batch if (absent := _not_on_disk(handle, blocks))]
             if not missing:
                 continue
             try:
-                reply = self.client.prefetch(missing, self._session)
+                reply = self.client.prefetch(missing, self._session, ahead_samples=ahead)
                 self.latency_s = max(0.001, reply.latency_s)
             except GpufeedError:
                 self.errors += 1  # a prefetch is a hint: the read itself will fetch or fail
@@ -137,10 +139,10 @@ class Prefetcher:
                     window.append((item, size))
                     window_bytes += size
                     if sum(len(b) for _, b in batch) >= BATCH_BLOCKS:
-                        self._queue.put(batch)
+                        self._queue.put((batch, len(window)))
                         batch = []
                 if batch:
-                    self._queue.put(batch)
+                    self._queue.put((batch, len(window)))
                 if not window:
                     return
                 item, size = window.popleft()

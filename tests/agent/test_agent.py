@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -12,17 +13,20 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 import gpufeed
+from gpufeed.bench.shaper import shaping
 from gpufeed.client import Client
-from gpufeed.client.connection import AgentClient, connect, gone, stop_agent
+from gpufeed.client.connection import AgentClient, AgentUnavailable, connect, gone, stop_agent
 from gpufeed.config import Settings
 from gpufeed.errors import ObjectChanged
 from gpufeed.namespace import Namespace
 from gpufeed.rpc import codec
 from gpufeed.rpc.messages import Done, Hello, Shutdown
+from tests.agent.test_metrics import agent_metrics
 from tests.conftest import Bucket, HttpServer
 
 
@@ -427,3 +431,39 @@ def test_a_malformed_message_ends_its_connection_only(files: dict[str, bytes], g
         sock.close()
     assert Client().read("/data/00002.bin") == files["00002.bin"]
     assert stats().pid == AgentClient(Settings.from_env()).hello().pid, "the same agent, still serving"
+
+
+def _metric(key: tuple[str, tuple[tuple[str, str], ...]]) -> float:
+    """One of the agent's metrics; 0 while no agent runs yet."""
+    try:
+        return agent_metrics().get(key, 0.0)
+    except AgentUnavailable:
+        return 0.0
+
+
+def test_a_reader_that_hangs_up_mid_fetch_leaves_the_block_to_the_next(nginx: HttpServer, tmp_path: Path) -> None:
+    """Reader A asks for a slow block and is killed while it is fetched; reader B, waiting for the
+    same block, gets it (the agent fetches it for B) with no error in the agent's log."""
+    site = nginx.root / f"hangup-{tmp_path.name}"
+    site.mkdir()
+    body = os.urandom(3 << 20)
+    (site / "slow.bin").write_bytes(body)
+    upstream = urlsplit(nginx.url)
+    with shaping((upstream.hostname or "127.0.0.1", upstream.port or 80), 20, 2, tmp_path / "shaper.log") as port:
+        Namespace().add_mount("/slow", f"http://127.0.0.1:{port}/{site.name}")
+        first = run_python('import gpufeed; gpufeed.read("/slow/slow.bin")')
+        deadline = time.monotonic() + 20
+        while not _metric(("gpufeed_fetches_in_flight", ())) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert agent_metrics()[("gpufeed_fetches_in_flight", ())] == 1, "reader A's fetch never started"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = pool.submit(Client().read, "/slow/slow.bin")
+            while agent_metrics()[("gpufeed_requests_total", (("kind", "fetch"),))] < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            first.kill()
+            first.wait()
+            assert second.result(timeout=60) == body
+        assert agent_metrics()[("gpufeed_requests_total", (("kind", "fetch"),))] == 2, "B's one request was answered"
+    assert not [value for (name, _), value in agent_metrics().items() if name == "gpufeed_errors_total" and value]
+    log = (Path(os.environ["GPUFEED_HOME"]) / "cache" / "agent.log").read_text()
+    assert "Traceback" not in log and "rror" not in log, log

@@ -44,7 +44,7 @@ def test_the_dashboard_draws_and_moves_while_reads_run(tmp_path: Path, monkeypat
     reader = threading.Thread(target=read_loop, daemon=True)
     reader.start()
 
-    async def look() -> tuple[str, str, int, str]:
+    async def look() -> tuple[str, str, int, str, str]:
         async with open_page(f"http://127.0.0.1:{port}/") as page:
             await page.wait_for("document.title === 'gpufeed agent'")
             await page.wait_for("Number(document.getElementById('throughput').dataset.points || 0) >= 2")
@@ -54,17 +54,22 @@ def test_the_dashboard_draws_and_moves_while_reads_run(tmp_path: Path, monkeypat
                                         "&& document.getElementById('cache-rate').textContent")
             points = await page.evaluate("Number(document.getElementById('throughput').dataset.points)")
             mount = await page.evaluate("document.querySelector('#mounts tbody td')?.textContent")
+            cached = await page.wait_for(  # the agent counts each mount's cached bytes a second after it starts
+                "/^\\d+\\.\\d %$/.test(document.querySelector('#mounts tbody td:last-child')?.textContent || '') "
+                "&& document.querySelector('#mounts tbody td:last-child').textContent"
+            )
             await page.screenshot(tmp_path / "dashboard.png")
-            return first, moved, points, mount
+            return first, moved, points, mount, cached
 
     try:
-        first, moved, points, mount = asyncio.run(look())
+        first, moved, points, mount, cached = asyncio.run(look())
     finally:
         stop.set()
         reader.join(timeout=30)
     assert float(moved) > 0 and moved != first
     assert points >= 2
     assert mount == "/data"
+    assert 0 < float(cached.removesuffix(" %")) <= 100, "the mount's cached fraction"
     assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -102,17 +102,17 @@ def test_accelerators_step_in_lockstep(tmp_path: Path) -> None:
     assert (epoch.samples, epoch.steps) == (32, 4)
 
 
-def test_cli_writes_table_json_and_png(tmp_path: Path) -> None:
+def test_cli_prints_table_and_json_and_writes_png(tmp_path: Path) -> None:
     work = tiny(samples=24)
     source = dataset(tmp_path / "data", work)
     result = gpufeed(
         "bench", "--workload", "resnet50", "--source", source, "--samples", "24", "--batch", "4",
         "--compute", "0.01", "--workers", "1", "--epochs", "2", "--latency-ms", "5",
-        "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png"),
+        "--json", "--plot", str(tmp_path / "out.png"),
     )
     assert result.returncode == 0, result.stderr
-    assert all(m in result.stdout for m in ("direct", "copy", "cached")) and "emulated remote: 5 ms" in result.stdout
-    data = json.loads((tmp_path / "out.json").read_text())
+    assert all(m in result.stderr for m in ("direct", "copy", "cached")) and "emulated remote: 5 ms" in result.stderr
+    data = json.loads(result.stdout)  # stdout holds the JSON alone; the table went to stderr
     assert data["latency_ms"] == 5 and data["workload"]["name"] == "resnet50"
     results = data["results"]
     assert [(r["mode"], r["epoch"]) for r in results] == [
@@ -146,7 +146,7 @@ def test_a_source_of_another_record_size_is_refused_with_the_way_out(tmp_path: P
         (("-w", "resnet", "-s", "file:///tmp"), "unknown workload 'resnet' (valid: resnet50, unet3d, cosmoflow, bert"),
         (("-w", "bert", "-s", "file:///tmp", "--mode", "direct,warm"), "unknown mode warm (valid: direct, getitem, copy"),
         (("-w", "bert",), "--source URL is required"),
-        (("-w", "bert", "-s", "file:///tmp", "--json", "/no/such/dir/out.json"), "directory /no/such/dir does not exist"),
+        (("-w", "bert", "-s", "file:///tmp", "--plot", "/no/such/dir/out.png"), "directory /no/such/dir does not exist"),
         (("-w", "bert", "-s", "https://example.com/x", "--latency-ms", "5", "--samples", "1"), "only plain http"),
     ],
 )

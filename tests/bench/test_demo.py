@@ -61,7 +61,7 @@ def test_quick_demo_prints_every_way_with_its_ratios_and_writes_under_home(tmp_p
     cwd.mkdir()
     result = gpufeed("demo", "--quick", "--json", env={"TMPDIR": str(temp)}, timeout=90, cwd=cwd)
     assert result.returncode == 0, result.stderr
-    out = result.stdout
+    out = result.stderr  # with --json the table is on stderr and stdout holds the JSON alone
     assert "20 ms first-byte latency, 400 MB/s bandwidth cap" in out, "the store's shape is stated"
     rows = {m[1]: m for m in ROW.finditer(out)}
     assert list(rows) == ["local disk", "direct", "gpufeed cold", "gpufeed warm"], out
@@ -76,7 +76,8 @@ def test_quick_demo_prints_every_way_with_its_ratios_and_writes_under_home(tmp_p
     home = Path(os.environ["GPUFEED_HOME"])
     assert f"chart: {home / 'demo' / 'demo.png'}" in out
     assert (home / "demo" / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    data = json.loads((home / "demo" / "demo.json").read_text())
+    data = json.loads(result.stdout)
+    assert data["chart"] == str(home / "demo" / "demo.png")
     assert [row["way"] for row in data["rows"]] == list(rows)
     assert data["bench"]["latency_ms"] == 20 and data["bench"]["bandwidth_mbps"] == 400
     assert list(cwd.iterdir()) == [], "nothing in the current directory"

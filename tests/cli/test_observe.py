@@ -50,7 +50,7 @@ def test_top_once_json_shows_the_reading_process_and_its_rates(tmp_path: Path) -
         reader.wait()
     assert set(shot) == {"interval_s", "agent_pid", "clients", "cache", "prefetch", "mounts", "readers"}
     assert shot["cache"]["blocks"] == FILES and shot["cache"]["bytes"] > FILES * 20_000
-    assert shot["cache"]["limit"] > 0 and shot["prefetch"] == {"queued": 0, "ahead_blocks": 0, "lead_s": None}
+    assert shot["cache"]["limit"] > 0 and shot["prefetch"] == {"queued": 0, "ahead_blocks": 0, "ahead_samples": 0, "lead_s": None}
     (mount,) = shot["mounts"]
     assert mount["mount"] == "/data" and mount["misses"] == FILES and mount["miss_bytes"] == FILES * 20_000
     assert mount["hit_ratio"] == 1.0 and mount["hits_per_s"] > 0 and mount["cache_mb_per_s"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from gpufeed.bench.shaper import shaping
+from tests.agent.test_metrics import agent_metrics
 from tests.cli.test_cli import gpufeed, ok
 from tests.conftest import HttpServer
 
@@ -60,7 +62,9 @@ def test_quiet_prints_no_progress_and_json_parses(slow_site: str) -> None:
     assert json.loads(ok("warmup", "/slow", "-q", "--json"))["fetched_bytes"] == 0
 
 
-def test_ctrl_c_on_a_warmup_of_a_big_object_returns_at_once_and_says_what_is_cached(nginx: HttpServer, tmp_path: Path) -> None:
+def test_ctrl_c_on_a_warmup_of_a_big_object_returns_at_once_and_says_what_is_cached(
+    nginx: HttpServer, tmp_path: Path, gpufeed_home: Path
+) -> None:
     """64 MiB at 8 MB/s takes 8 s; SIGINT after the first progress line must end the process
     within 1.5 s (the issue asks 1 s; the margin is for a loaded CI machine), exit 130."""
     site = nginx.root / f"big-{tmp_path.name}"
@@ -83,8 +87,42 @@ def test_ctrl_c_on_a_warmup_of_a_big_object_returns_at_once_and_says_what_is_cac
         sent = time.monotonic()
         _, rest = warmup.communicate(timeout=30)
         took = time.monotonic() - sent
-    assert warmup.returncode == 130, rest
-    assert took < 1.5, f"Ctrl-C took {took:.2f} s"
-    stopped = rest.splitlines()[-1]
-    assert stopped.startswith("gpufeed: interrupted: 0/1 files complete, ") and "of 64.0 MiB cached" in stopped, rest
-    assert "Traceback" not in rest
+        assert warmup.returncode == 130, rest
+        assert took < 1.5, f"Ctrl-C took {took:.2f} s"
+        stopped = rest.splitlines()[-1]
+        assert stopped.startswith("gpufeed: interrupted: 0/1 files complete, ") and "of 64.0 MiB cached" in stopped, rest
+        assert "Traceback" not in rest
+        # the agent drops the warmup's fetches with its connection, not seconds later at 8 MB/s
+        deadline = time.monotonic() + 3
+        while (inflight := agent_metrics()[("gpufeed_fetches_in_flight", ())]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert inflight == 0, "the agent still fetches for a warmup that is gone"
+    assert "Traceback" not in (gpufeed_home / "cache" / "agent.log").read_text()
+
+
+def test_a_terminal_gets_a_live_bar_and_stdout_keeps_only_the_result(slow_site: str) -> None:
+    """stderr on a real pseudo-terminal: rich redraws one bar in place (cursor escapes), with
+    files, bytes of the total and the rate; stdout, a pipe, gets the result alone."""
+    ok("mount", "add", "/slow", slow_site, "-q")
+    main, side = pty.openpty()
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "120"}
+    warmup = subprocess.Popen(
+        [sys.executable, "-m", "gpufeed", "warmup", "/slow", "-p", "1"], stdout=subprocess.PIPE, stderr=side, env=env
+    )
+    os.close(side)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: the command closed the terminal's last writer
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(main)
+    stdout, _ = warmup.communicate(timeout=60)
+    assert warmup.returncode == 0
+    screen = shown.decode(errors="replace")
+    assert "\x1b[" in screen, "a bar drawn with terminal escapes"
+    assert "warmup" in screen and "12/12 files" in screen and "46.9/46.9 KiB" in screen, screen
+    assert stdout.decode().startswith("warmed 12 files") and b"\x1b" not in stdout, stdout

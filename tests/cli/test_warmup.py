@@ -68,5 +68,6 @@ def test_a_killed_warmup_resumes_where_it_stopped(nginx: HttpServer, tmp_path: P
         resumed = ok("warmup", "/slow")
         assert "warmed 150 files" in resumed
         time.sleep(0.3)  # nginx logs a request after answering it
-        assert gets() == 150, "nothing fetched twice"
+        # the agent drops a killed warmup's fetches: at most its 2 in flight are fetched again
+        assert 150 <= gets() <= 152, "nothing else fetched twice"
         assert "no warmup running" in ok("warmup", "status")

@@ -11,11 +11,15 @@ import pytest
 import gpufeed
 from gpufeed.namespace import Namespace
 from gpufeed.prefetch import Prefetcher, Read
-from gpufeed.rpc.messages import AgentInfo
+from gpufeed.rpc.messages import AgentInfo, Usage, UsageInfo
 
 
 def agent_stats() -> AgentInfo:
     return gpufeed.client().agent.stats()
+
+
+def ahead_samples() -> int:
+    return gpufeed.client().agent.request(Usage(), UsageInfo).prefetch_ahead_samples
 
 
 def wait_for(condition, what: str, timeout: float = 20.0) -> AgentInfo:
@@ -80,7 +84,9 @@ def test_the_window_is_bounded_in_bytes(files: list[str]) -> None:
     for _ in range(10):
         next(iterator)
     wait_for(lambda s: s.prefetched >= 15, "the window to slide")
+    assert ahead_samples() == 5, "the lead in samples: five 1,000-byte files fill the 5,000-byte window"
     prefetcher.close()
+    assert ahead_samples() == 0, "an ended session leads nothing"
 
 
 def test_ending_the_iteration_releases_pins_and_drops_queued_work(files: list[str]) -> None:

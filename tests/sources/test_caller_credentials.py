@@ -12,10 +12,13 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+import gpufeed
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
+from gpufeed.namespace import Namespace
 from gpufeed.sources import open_source
 from gpufeed.sources.stores import caller_credentials
+from tests.conftest import Bucket
 
 
 @pytest.fixture
@@ -89,3 +92,18 @@ def test_s3_keys_go_only_with_their_key_id_and_anonymous_mounts_send_nothing(env
     assert caller_credentials("gs://bucket/p", {"anonymous": "true"}) == {}
     assert caller_credentials("file:///data", {}) == {}
     assert caller_credentials("https://host/data", {}) == {}
+
+
+def test_a_mount_with_its_own_keys_reads_while_the_caller_has_others(
+    bucket: Bucket, env: pytest.MonkeyPatch, gpufeed_home: Path
+) -> None:
+    """obstore refuses `access_key_id` beside `aws_access_key_id`: the mount's keys win, and the
+    reader's are not sent at all (no mixing of one identity's key with another's token)."""
+    env.setenv("AWS_ACCESS_KEY_ID", "caller-id")
+    env.setenv("AWS_SECRET_ACCESS_KEY", "caller-secret")
+    env.setenv("AWS_SESSION_TOKEN", "caller-token")
+    options = {"endpoint": bucket.endpoint, "access_key_id": "mount-id", "secret_access_key": "mount-secret"}
+    assert caller_credentials(bucket.url, options) == {}
+    bucket.put("own.bin", b"own keys" * 100)
+    Namespace().add_mount("/own", bucket.url, options)
+    assert gpufeed.read("/own/own.bin") == b"own keys" * 100

@@ -4,6 +4,7 @@ retried."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -196,3 +197,18 @@ def test_http_listing_file_heads_are_retried(nginx: HttpServer, tmp_path: Path) 
         source = open_source(f"{proxy.url}/{site.name}", {"list": str(listing)}, Settings.from_env())
         sizes = {info.key: info.size for batch in source.list() for info in batch}
     assert sizes == {"f0": 1, "f1": 2, "f2": 3}
+
+
+def test_the_command_line_logs_its_warnings_as_json_when_asked(bucket: Bucket, s3_proxy: Flaky) -> None:
+    bucket.put("obj", DATA)
+    Namespace().add_mount("/flaky", bucket.url, {"endpoint": s3_proxy.url, "cache": "off"})
+    s3_proxy.plan(["503"] * 6, match="/obj")
+    read = subprocess.run(
+        [sys.executable, "-m", "gpufeed", "--log-format", "json", "cat", "/flaky/obj"], capture_output=True, timeout=120
+    )
+    assert read.returncode == 0 and read.stdout == DATA, read.stderr
+    events = [json.loads(line) for line in read.stderr.decode().splitlines()]
+    assert len(events) == 1 and events[0]["level"] == "warning", events
+    assert "server error" in events[0]["message"] and "retried with backoff" in events[0]["message"]
+    bad = gpufeed("--log-format", "yaml", "ls", "/", env={})
+    assert bad.returncode == 2 and bad.stderr.splitlines() == ["gpufeed: error: --log-format='yaml': expected text or json"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gpufeed.agent.manager import AgentConfig
 from gpufeed.agent.service import run_agent
-from gpufeed.config import Settings, parse_addr, parse_log_format, parse_size
+from gpufeed.config import CLUSTER_FLAGS, Settings, parse_addr, parse_log_format, parse_size, with_cluster_flags
 from gpufeed.errors import GpufeedError
 from gpufeed.logs import configure
 
@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-timeout", type=float, help="exit after this many seconds without clients")
     parser.add_argument("--metrics-addr", help="serve Prometheus metrics on HOST:PORT (PORT alone: 127.0.0.1)")
     parser.add_argument("--log-format", help="text (default) or json: one JSON object per line")
+    for flag in CLUSTER_FLAGS:
+        parser.add_argument(flag, dest=flag)
     args = parser.parse_args(argv)
     try:
         settings = Settings.from_env()
@@ -33,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
             settings = dataclasses.replace(settings, metrics_addr=args.metrics_addr)
         if args.log_format is not None:
             settings = dataclasses.replace(settings, log_format=parse_log_format(args.log_format))
-        configure(settings.log_format)
+        settings = with_cluster_flags(settings, {flag: getattr(args, flag) for flag in CLUSTER_FLAGS})
+        configure(settings.log_format, debug=settings.debug)
         dirs = tuple(d.expanduser().absolute() for d in args.cache_dir) or settings.cache_dirs
         size = parse_size(args.cache_size, "--cache-size") if args.cache_size else settings.cache_size
         run_agent(AgentConfig(dirs, size, settings.cache_free_ratio, args.idle_timeout), settings)

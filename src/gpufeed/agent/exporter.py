@@ -17,13 +17,15 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gpufeed.agent.metrics import Buckets, Metrics
+from gpufeed.agent.metrics import MOUNT_LABELS, Buckets, Metrics
 from gpufeed.sources import retry
 
 log = logging.getLogger("gpufeed.agent")
 
 Gauges = Callable[[], list[tuple[str, str, float]]]
 """(name without prefix, help, value) of what the agent holds now: cache bytes, limit, clients…"""
+Coverage = Callable[[], dict[str, tuple[int, int]]]
+"""Mount path → (bytes in its manifest, bytes of them cached), as last counted."""
 
 
 def _kind(text: str) -> str:
@@ -34,9 +36,10 @@ def _kind(text: str) -> str:
 class Collector:
     """Reads `Metrics` at scrape time."""
 
-    def __init__(self, metrics: Metrics, gauges: Gauges) -> None:
+    def __init__(self, metrics: Metrics, gauges: Gauges, coverage: Coverage) -> None:
         self.metrics = metrics
         self.gauges = gauges
+        self.coverage = coverage
 
     def collect(self) -> Iterator[Metric]:
         m = self.metrics
@@ -60,6 +63,9 @@ class Collector:
             ("uncached", "Blocks served uncached because the cache could not hold them"),
             ("prefetched", "Blocks prefetched and pinned until read"),
             ("prefetch_errors", "Prefetches that failed (the demand read fetches again)"),
+            ("peer_served", "Blocks this node served to peers"),
+            ("peer_served_bytes", "Bytes this node served to peers"),
+            ("peer_corrupt", "Blocks a peer sent damaged (the next owner or the store was read)"),
         ]:
             yield CounterMetricFamily(f"gpufeed_{name}", what, value=m.counts[name])
         yield _histogram("store_get_seconds", "Store GET time, first byte to last, per block or object", m.store_get)
@@ -67,6 +73,17 @@ class Collector:
                          m.prefetch_lead)
         for name, what, value in self.gauges():
             yield GaugeMetricFamily(f"gpufeed_{name}", what, value=value)
+        total = GaugeMetricFamily("gpufeed_mount_bytes", "Bytes in each mount's manifest", labels=["mount"])
+        cached = GaugeMetricFamily(
+            "gpufeed_mount_cached_bytes",
+            "Bytes of each mount in the cache, as last counted (seconds old; minutes for huge mounts)",
+            labels=["mount"],
+        )
+        for mount, (size, present) in sorted(self.coverage().items())[:MOUNT_LABELS]:
+            total.add_metric([mount], size)
+            cached.add_metric([mount], present)
+        yield total
+        yield cached
 
 
 def _by_tier(name: str, what: str, counts: dict[tuple[str, str], int]) -> Metric:
@@ -89,10 +106,10 @@ def _histogram(name: str, what: str, buckets: Buckets) -> Metric:
     return family
 
 
-def registry(metrics: Metrics, gauges: Gauges) -> CollectorRegistry:
+def registry(metrics: Metrics, gauges: Gauges, coverage: Coverage) -> CollectorRegistry:
     """The agent's registry: its counts and the process's CPU, memory and open files."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(Collector(metrics, gauges))  # type: ignore[arg-type]
+    reg.register(Collector(metrics, gauges, coverage))  # type: ignore[arg-type]
     ProcessCollector(namespace="gpufeed", registry=reg)
     return reg
 

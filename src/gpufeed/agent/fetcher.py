@@ -52,6 +52,8 @@ class Job:
     index: int
     mount: str = ""
     """The mount the reader named (`Group.mount`): misses are counted by it."""
+    group: Group | None = None
+    """The request's group, which a peer rebuilds the object's store from."""
 
     @property
     def block(self) -> BlockId:
@@ -131,7 +133,7 @@ class Fetcher:
                     raise errors.InvalidArgument(str(exc)) from None
                 if any(not 0 <= i < blocks.count for i in want.blocks):
                     raise errors.InvalidArgument(f"a block index is outside {info.key} ({info.size} bytes)")
-                jobs.extend(Job(number, source, want, blocks, index, group.mount) for index in want.blocks)
+                jobs.extend(Job(number, source, want, blocks, index, group.mount, group) for index in want.blocks)
                 number += 1
                 if len(jobs) > MAX_BLOCKS_PER_REQUEST:
                     raise errors.InvalidArgument(f"more than {MAX_BLOCKS_PER_REQUEST} blocks in one request")
@@ -174,7 +176,13 @@ class Fetcher:
             return "ok", 0
         pending = self.inflight.get(flight)
         if pending is not None:
-            status = await asyncio.shield(pending)
+            try:
+                status = await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                return await self.ensure(job, repair)  # its fetcher's reader went away: fetch it here
             if status == "ok" and not self.manager.present(block):  # its publish failed (disk full)
                 status = "uncached"
             return status, 0
@@ -191,6 +199,9 @@ class Fetcher:
                 result, fetched = await self._one(job), length
             future.set_result(result)
             return result, fetched
+        except asyncio.CancelledError:
+            future.cancel()  # its waiters fetch the block themselves
+            raise
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # a waiter re-raises it; nobody waiting is fine too
@@ -211,7 +222,12 @@ class Fetcher:
         size = job.blocks.block_size
         start = job.index * size
         data = await self._read(job, start, start + job.blocks.length(job.index))
-        return "ok" if await self.manager.publish(job.block, data) else "uncached"
+        return "ok" if await self._publish(job.block, data) else "uncached"
+
+    async def _publish(self, block: BlockId, data: memoryview) -> bool:
+        """Publish to the end even when the fetch that read `data` is cancelled (its reader went
+        away): a block file is written and counted in the cache, or neither."""
+        return await asyncio.shield(self.manager.publish(block, data))
 
     async def _whole(self, job: Job) -> Status:
         """Fetch the object whole (the source checks it against its content hash), then publish
@@ -226,7 +242,7 @@ class Fetcher:
                 block = job.blocks.block(index)
                 if index != job.index and self.manager.present(block):
                     continue
-                if not await self.manager.publish(block, data[index * size : (index + 1) * size]):
+                if not await self._publish(block, data[index * size : (index + 1) * size]):
                     status = "uncached" if index == job.index else status
         finally:
             self.busy -= names

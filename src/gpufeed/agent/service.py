@@ -18,7 +18,7 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,8 @@ from gpufeed.agent import exporter
 from gpufeed.agent.fetcher import Fetcher
 from gpufeed.agent.manager import AgentConfig, CacheManager
 from gpufeed.agent.metrics import OTHER, Metrics
+from gpufeed.agent.mounts import MountCoverage
+from gpufeed.agent.peers import ClusterNode
 from gpufeed.agent.sessions import Sessions
 from gpufeed.config import Settings, parse_addr
 from gpufeed.errors import GpufeedError
@@ -110,7 +112,13 @@ class Agent:
         self.connections = 0
         self.last_activity = time.monotonic()
         self._stop: asyncio.Event | None = None
-        self.registry = exporter.registry(self.metrics, self.gauges)
+        self.cluster = (
+            ClusterNode(settings, self.fetcher, config.dirs, self.metrics, self.manager.limit(), self._cluster_stats)
+            if settings.cluster
+            else None
+        )
+        self.coverage = MountCoverage(settings, config.dirs)
+        self.registry = exporter.registry(self.metrics, self.gauges, lambda: self.coverage.latest)
         self._handlers: dict[type, Callable[[Any, Connection], Awaitable[Reply | None]]] = {
             Hello: self._hello,
             Stats: self._stats,
@@ -155,9 +163,37 @@ class Agent:
             ("prefetch_queued", "Blocks queued or being fetched for prefetch sessions", self._queued()),
             ("prefetch_ahead_blocks", "Prefetched blocks not read yet: how far prefetch runs ahead",
              len(self.sessions.pinned)),
+            ("prefetch_ahead_samples", "Samples the live prefetch sessions have asked for ahead of their consumers",
+             self._ahead_samples()),
             ("fetches_in_flight", "Blocks (or whole objects) being fetched now", len(self.fetcher.inflight)),
             ("clients", "Reader connections", self.connections),
+            *(
+                [
+                    ("cluster_members", "Live cluster members as this node sees them", len(self.cluster.membership.nodes)),
+                    ("cluster_suspects", "Peers skipped as suspect now", len(self.cluster.blocks.suspected())),
+                ]
+                if self.cluster is not None
+                else []
+            ),
         ]
+
+    def _cluster_stats(self) -> dict[str, Any]:
+        """What `gpufeed cluster status` shows of this node."""
+        m = self.metrics
+        fetched = {tier: sum(n for (_, t), n in m.miss_bytes.items() if t == tier) for tier in ("store", "peer")}
+        return {
+            "cache_bytes": self.manager.policy.bytes,
+            "limit": self.manager.limit(),
+            "hits": sum(m.hits.values()),
+            "misses": sum(m.misses.values()),
+            "store_bytes": fetched["store"],
+            "peer_bytes": fetched["peer"],
+            "served_blocks": m.counts["peer_served"],
+            "served_bytes": m.counts["peer_served_bytes"],
+        }
+
+    def _ahead_samples(self) -> int:
+        return sum(session.ahead_samples for session in self.sessions.sessions.values())
 
     def _queued(self) -> int:
         return sum(len(session.tasks) for session in self.sessions.sessions.values())
@@ -178,6 +214,7 @@ class Agent:
         session, created = self.sessions.open(request.session, request.pin)
         if created:
             conn.owned.add(session.name)
+        session.ahead_samples = request.ahead_samples
         jobs = self.fetcher.jobs(request.groups)
         self.fetcher.prefetch(session, jobs)
         return Queued(len(jobs), self.metrics.prefetch_s)
@@ -217,6 +254,7 @@ class Agent:
             prefetch_ahead=len(self.sessions.pinned),
             prefetch_lead_s=m.prefetch_lead.sum,
             prefetch_leads=sum(m.prefetch_lead.counts),
+            prefetch_ahead_samples=self._ahead_samples(),
             mounts=[
                 MountUsage(
                     mount,
@@ -246,6 +284,22 @@ class Agent:
             log.exception("%s request failed", type(request).__name__)
             self.metrics.errors[errors.SourceError.code] += 1
             return Refused(Failure(errors.SourceError.code, f"agent: {exc}"))
+
+    @staticmethod
+    async def _unless_gone(
+        answering: Coroutine[object, object, Reply | None], ahead: asyncio.Task[Request | None]
+    ) -> Reply | None:
+        """Answer a fetch unless its reader hangs up first (a warmup stopped with Ctrl-C, a killed
+        job): then its fetches stop and None says so. Blocks other readers wait for are fetched
+        for them (`Fetcher.ensure`); a block being written is still published."""
+        task = asyncio.ensure_future(answering)
+        await asyncio.wait((task, ahead), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and (ahead.exception() is not None or ahead.result() is None):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+        return await task  # finished, or the reader sent its next request early: answer in order
 
     def _peer(self, writer: asyncio.StreamWriter) -> tuple[int, int]:
         """The connected process's pid and uid."""
@@ -278,11 +332,19 @@ class Agent:
         self.connections += 1
         conn = Connection(pid)
         self.metrics.connected(pid)
+        ahead: asyncio.Task[Request | None] | None = None
         try:
             if await self._handshake(reader, writer):
-                while (request := await codec.read_request(reader)) is not None:
+                while (request := await (ahead or codec.read_request(reader))) is not None:
+                    ahead = None
                     self.last_activity = time.monotonic()
-                    reply = await self.answer(request, conn)
+                    if isinstance(request, Fetch):
+                        ahead = asyncio.ensure_future(codec.read_request(reader))
+                        reply = await self._unless_gone(self.answer(request, conn), ahead)
+                        if reply is None:
+                            break
+                    else:
+                        reply = await self.answer(request, conn)
                     if reply is not None and not (isinstance(request, Hits) and not request.reply):  # one way stays one way
                         writer.write(codec.frame(reply))
                         await writer.drain()
@@ -291,6 +353,8 @@ class Agent:
         except asyncio.CancelledError:
             pass  # the agent is stopping
         finally:
+            if ahead is not None:
+                ahead.cancel()
             for session in conn.owned:
                 self.sessions.cancel(session)
             self.metrics.disconnected(pid)
@@ -313,8 +377,11 @@ class Agent:
                 stop_http = await exporter.serve(self.registry, *parse_addr(self.metrics_addr))
             except OSError as exc:
                 raise GpufeedError(f"--metrics-addr {self.metrics_addr}: {exc.strerror or exc}") from None
+            self.coverage.start()  # only a dashboard or a scrape reads it
         self._stop = asyncio.Event()
         self.fetcher.start()
+        if self.cluster is not None:
+            await self.cluster.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
@@ -332,8 +399,11 @@ class Agent:
             if watcher:
                 watcher.cancel()
             if stop_http is not None:
+                self.coverage.stop()
                 await stop_http()
             server.close()
+            if self.cluster is not None:
+                await self.cluster.stop()
             state.unlink(missing_ok=True)
             await self._quiesce()
         log.info("agent %d stopped", os.getpid())

@@ -30,6 +30,8 @@ class Session:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     pinned: set[str] = field(default_factory=set)
     cancelled: bool = False
+    ahead_samples: int = 0
+    """The job's lead in samples, as of its last prefetch request."""
 
 
 class Sessions:

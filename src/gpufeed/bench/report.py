@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,10 +70,6 @@ def table(report: BenchReport) -> Group:
     if work.au_pass is not None:
         legend += f" {work.name} passes at AU >= {work.au_pass:.0%}."
     return Group(Text(title), grid, Text(legend, style="dim"))
-
-
-def write_json(report: BenchReport | DemoResult, path: Path) -> None:
-    path.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
 
 
 def write_plot(report: BenchReport, path: Path) -> None:

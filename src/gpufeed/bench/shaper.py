@@ -192,9 +192,9 @@ class _StoreSide(asyncio.Protocol):
             self.client.transport.close()
 
 
-async def _serve(shaper: Shaper, port: int) -> None:
+async def _serve(shaper: Shaper, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(shaper.client_protocol, "127.0.0.1", port)
+    server = await loop.create_server(shaper.client_protocol, host, port)
     sys.stdout.write(f"{server.sockets[0].getsockname()[1]}\n")
     sys.stdout.flush()
     async with server:
@@ -202,9 +202,12 @@ async def _serve(shaper: Shaper, port: int) -> None:
 
 
 @contextmanager
-def shaping(upstream: tuple[str, int], latency_ms: float, bandwidth_mbps: float | None, log: Path) -> Iterator[int]:
-    """Run a shaper in front of `upstream` until the block ends; yields its loopback port."""
+def shaping(
+    upstream: tuple[str, int], latency_ms: float, bandwidth_mbps: float | None, log: Path, host: str = "127.0.0.1"
+) -> Iterator[int]:
+    """Run a shaper in front of `upstream` until the block ends; yields its port on `host`."""
     argv = python_module("gpufeed.bench.shaper", f"{upstream[0]}:{upstream[1]}", "--latency-ms", str(latency_ms))
+    argv += ["--host", host]
     if bandwidth_mbps:
         argv += ["--bandwidth", str(bandwidth_mbps)]
     with helper(argv, "the latency shaper", log) as port:
@@ -216,13 +219,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("upstream", help="HOST:PORT of the store to shape")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="first-byte delay per request")
     parser.add_argument("--bandwidth", type=float, default=None, help="cap in MB/s (10^6 bytes/s), all connections together")
-    parser.add_argument("--port", type=int, default=0, help="loopback port to listen on (0: any free one)")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (0: any free one)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (a test network's, for other hosts)")
     args = parser.parse_args(argv)
     host, _, port = args.upstream.rpartition(":")
     bandwidth = args.bandwidth * 1e6 if args.bandwidth else None
     shaper = Shaper((host or "127.0.0.1", int(port)), args.latency_ms / 1000, bandwidth)
     try:
-        uvloop.run(_serve(shaper, args.port))  # the emulated network should take as little of this box's CPU as it can
+        uvloop.run(_serve(shaper, args.host, args.port))  # the emulated network should take as little of this box's CPU as it can
     except KeyboardInterrupt:
         pass
 

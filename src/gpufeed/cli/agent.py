@@ -14,7 +14,7 @@ import typer
 
 from gpufeed.cli.console import human_bytes, out
 from gpufeed.client.connection import AgentClient, connect, stop_agent
-from gpufeed.config import Settings, parse_addr, parse_log_format, parse_size
+from gpufeed.config import Settings, parse_addr, parse_log_format, parse_size, with_cluster_flags
 from gpufeed.errors import GpufeedError
 from gpufeed.rpc.messages import AgentInfo
 
@@ -26,6 +26,13 @@ MetricsOption = typer.Option(
     None, "--metrics-addr", help="Serve Prometheus metrics on HOST:PORT (PORT alone: 127.0.0.1); default off."
 )
 LogFormatOption = typer.Option(None, "--log-format", help="text (default) or json: one JSON object per line.")
+ClusterOption = typer.Option(
+    None, "--cluster", help="Join the cache cluster whose Redis this is (redis://HOST:PORT/DB) [env: GPUFEED_CLUSTER]."
+)
+PeerAddrOption = typer.Option(None, "--peer-addr", help="HOST:PORT the peer API binds (with --cluster) [env: GPUFEED_PEER_ADDR].")
+AdvertiseOption = typer.Option(None, "--advertise", help="HOST:PORT other nodes reach the peer API at (default: --peer-addr).")
+ReplicasOption = typer.Option(None, "--replicas", help="Owners per block (1; 2 fails over without the store).")
+WeightOption = typer.Option(None, "--weight", help="This node's share of block ownership relative to others (1).")
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,8 @@ class Asked:
     cache_size: str | None = None
     metrics_addr: str | None = None
     log_format: str | None = None
+    cluster: tuple[tuple[str, str | None], ...] = ()
+    """Cluster flags as given: (flag, text or None)."""
 
     def over(self, earlier: Asked) -> Asked:
         return Asked(
@@ -44,6 +53,8 @@ class Asked:
             self.cache_size or earlier.cache_size,
             self.metrics_addr or earlier.metrics_addr,
             self.log_format or earlier.log_format,
+            tuple((flag, text if text is not None else dict(earlier.cluster).get(flag)) for flag, text in self.cluster)
+            or earlier.cluster,
         )
 
     def settings(self) -> Settings:
@@ -58,7 +69,7 @@ class Asked:
             changes["metrics_addr"] = self.metrics_addr
         if self.log_format:
             changes["log_format"] = parse_log_format(self.log_format)
-        return dataclasses.replace(settings, **changes)
+        return with_cluster_flags(dataclasses.replace(settings, **changes), dict(self.cluster))
 
 
 def _asked(
@@ -67,8 +78,15 @@ def _asked(
     cache_size: str | None = None,
     metrics_addr: str | None = None,
     log_format: str | None = None,
+    cluster: tuple[tuple[str, str | None], ...] = (),
 ) -> Asked:
-    return Asked(tuple(cache_dir), cache_size, metrics_addr, log_format).over(ctx.obj)
+    return Asked(tuple(cache_dir), cache_size, metrics_addr, log_format, cluster).over(ctx.obj)
+
+
+def _cluster(cluster: str | None, peer_addr: str | None, advertise: str | None, replicas: str | None,
+             weight: str | None) -> tuple[tuple[str, str | None], ...]:
+    return (("--cluster", cluster), ("--peer-addr", peer_addr), ("--advertise", advertise), ("--replicas", replicas),
+            ("--weight", weight))
 
 
 def _differences(asked: Asked, settings: Settings, hello: AgentInfo) -> list[str]:
@@ -98,9 +116,15 @@ def agent(
     idle_timeout: float | None = typer.Option(None, "--idle-timeout", help="Exit after this many seconds without clients."),
     metrics_addr: str | None = MetricsOption,
     log_format: str | None = LogFormatOption,
+    cluster: str | None = ClusterOption,
+    peer_addr: str | None = PeerAddrOption,
+    advertise: str | None = AdvertiseOption,
+    replicas: str | None = ReplicasOption,
+    weight: str | None = WeightOption,
 ) -> None:
     """Run the agent in the foreground (a service), or manage one with a subcommand."""
-    asked = Asked(tuple(cache_dir), cache_size, metrics_addr, log_format)
+    joins = _cluster(cluster, peer_addr, advertise, replicas, weight)
+    asked = Asked(tuple(cache_dir), cache_size, metrics_addr, log_format, joins)
     if ctx.invoked_subcommand is not None:
         ctx.obj = asked
         return
@@ -109,7 +133,7 @@ def agent(
     from gpufeed.logs import configure
 
     settings = asked.settings()
-    configure(settings.log_format)
+    configure(settings.log_format, debug=settings.debug)
     config = AgentConfig(settings.cache_dirs, settings.cache_size, settings.cache_free_ratio, idle_timeout)
     run_agent(config, settings)
 
@@ -121,11 +145,17 @@ def start(
     cache_size: str | None = SizeOption,
     metrics_addr: str | None = MetricsOption,
     log_format: str | None = LogFormatOption,
+    cluster: str | None = ClusterOption,
+    peer_addr: str | None = PeerAddrOption,
+    advertise: str | None = AdvertiseOption,
+    replicas: str | None = ReplicasOption,
+    weight: str | None = WeightOption,
 ) -> None:
     """Start a background agent (no idle timeout) unless one is running; fails when one runs
     with another quota or other dirs than --cache-size/--cache-dir ask for. A running agent
     keeps the metrics address and log format it started with."""
-    asked = _asked(ctx, cache_dir, cache_size, metrics_addr, log_format)
+    joins = _cluster(cluster, peer_addr, advertise, replicas, weight)
+    asked = _asked(ctx, cache_dir, cache_size, metrics_addr, log_format, joins)
     settings = asked.settings()
     agent = AgentClient(settings)
     if (sock := connect(settings.cache_dirs[0])) is not None:

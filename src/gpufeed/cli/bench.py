@@ -15,7 +15,7 @@ import typer
 from gpufeed.bench.modes import DEFAULT_MODES, MODES, parse_modes
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS
 from gpufeed.bench.workloads import WORKLOADS, Workload, workload
-from gpufeed.cli.console import err, human_bytes, out
+from gpufeed.cli.console import err, human_bytes, out, print_json
 from gpufeed.cli.progress import Meter
 from gpufeed.errors import GpufeedError, InvalidArgument
 from gpufeed.namespace import parse_options
@@ -68,16 +68,19 @@ def check_outputs(*paths: Path | None) -> None:
             raise InvalidArgument(f"{path}: not writable")
 
 
-def print_report(report: BenchReport, json_out: Path | None, plot: Path | None) -> None:
-    from gpufeed.bench.report import table, write_json, write_plot
+def print_report(report: BenchReport, as_json: bool, plot: Path | None) -> None:
+    """The table for a person; with --json the result as one JSON object on stdout for a script,
+    and the table on stderr beside the progress."""
+    from gpufeed.bench.report import table, write_plot
 
-    out.print(table(report))
-    if json_out is not None:
-        write_json(report, json_out)
-        out.print(f"JSON: {json_out}", markup=False, highlight=False)
+    show = err if as_json else out
+    show.print(table(report))
     if plot is not None:
         write_plot(report, plot)
-        out.print(f"chart: {plot}", markup=False, highlight=False)
+        show.print(f"chart: {plot}", markup=False, highlight=False)
+    if as_json:
+        print_json(report.to_dict())
+
 
 
 @app.callback(invoke_without_command=True)
@@ -101,7 +104,7 @@ def bench(
     remote: bool = typer.Option(
         False, "--remote", help=f"Emulate a remote store with the default {DEFAULT_LATENCY_MS:g} ms latency."
     ),
-    json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as one JSON object on stdout (the table on stderr)."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG chart (AU and time per mode) here."),
     record_size: int | None = RECORD_SIZE,
     samples: int | None = SAMPLES,
@@ -121,7 +124,7 @@ def bench(
         return
     if source is None:
         raise InvalidArgument("--source URL is required (write a dataset with 'gpufeed bench generate')")
-    check_outputs(json_out, plot)
+    check_outputs(plot)
     from gpufeed.bench.runner import BenchConfig, run_bench
 
     work = workload(
@@ -146,7 +149,7 @@ def bench(
         bandwidth_mbps=bandwidth,
         seed=seed,
     )
-    print_report(run_bench(config, quiet_progress if quiet else progress), json_out, plot)
+    print_report(run_bench(config, quiet_progress if quiet else progress), as_json, plot)
 
 
 @app.command("generate")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import sys
 import time
+from typing import Any
 
 from rich.console import Console
 
@@ -20,3 +23,9 @@ def human_bytes(size: float) -> str:
 
 def when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp)) if timestamp else "-"
+
+
+def print_json(result: Any, *, indent: int | None = None) -> None:
+    """A command's result for a script (`--json`): one JSON document on stdout, nothing else there."""
+    sys.stdout.write(json.dumps(result, indent=indent) + "\n")
+    sys.stdout.flush()

@@ -11,7 +11,7 @@ import typer
 from gpufeed.bench import demo as experiment
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS, check_shape
 from gpufeed.cli.bench import QUIET, check_outputs, progress, quiet_progress, require_extra
-from gpufeed.cli.console import out
+from gpufeed.cli.console import err, out, print_json
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
 
@@ -36,8 +36,8 @@ def demo(
         experiment.DEFAULT_BANDWIDTH_MBPS, "--bandwidth", help="Bandwidth cap of the emulated store, MB/s (10^6 B/s); 0: none."
     ),
     samples: int | None = typer.Option(None, "--samples", help=f"Samples in the dataset (default {experiment.SAMPLES})."),
-    out_dir: Path | None = typer.Option(None, "--out", help="Directory for the chart (and JSON); default GPUFEED_HOME/demo."),
-    json_out: bool = typer.Option(False, "--json", help="Also write the results as demo.json."),
+    out_dir: Path | None = typer.Option(None, "--out", help="Directory for the chart; default GPUFEED_HOME/demo."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as one JSON object on stdout (the table on stderr)."),
     quiet: bool = QUIET,
 ) -> None:
     """Train one emulated accelerator from the same generated dataset three ways: local disk,
@@ -51,11 +51,12 @@ def demo(
         samples = experiment.QUICK_SAMPLES if quick else experiment.SAMPLES
     work = experiment.demo_workload(samples)
     folder = output_dir(out_dir)
-    plot, json_path = folder / "demo.png", folder / "demo.json" if json_out else None
-    check_outputs(plot, json_path)
-    from gpufeed.bench.report import demo_table, store_shape, write_demo_plot, write_json
+    plot = folder / "demo.png"
+    check_outputs(plot)
+    from gpufeed.bench.report import demo_table, store_shape, write_demo_plot
 
-    out.print(
+    show = err if as_json else out
+    show.print(
         f"gpufeed demo: a {work.name}-shaped training loop ({work.samples:,} samples, batch {work.batch}, "
         f"{work.workers} workers; the accelerator consumes {experiment.consumes(work):,.0f} samples/s) fed three ways: "
         f"local disk, direct from a store with {store_shape(latency_ms, cap)} (--latency-ms, --bandwidth), "
@@ -64,9 +65,8 @@ def demo(
         highlight=False,
     )
     result = experiment.run_demo(work, latency_ms, cap, quiet_progress if quiet else progress)
-    out.print(demo_table(result))
+    show.print(demo_table(result))
     write_demo_plot(result, plot)
-    out.print(f"chart: {plot}", markup=False, highlight=False)
-    if json_path is not None:
-        write_json(result, json_path)
-        out.print(f"JSON: {json_path}", markup=False, highlight=False)
+    show.print(f"chart: {plot}", markup=False, highlight=False)
+    if as_json:
+        print_json({**result.to_dict(), "chart": str(plot)})

@@ -8,7 +8,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
-from gpufeed.cli import agent, bench, cache, demo, files, fuse, metrics, mount, top, verify, warmup
+from gpufeed.cli import agent, bench, cache, cluster, demo, files, fuse, metrics, mount, top, verify, warmup
 from gpufeed.cli.console import err, out
 from gpufeed.errors import GpufeedError
 
@@ -41,16 +41,27 @@ def package_version() -> str:
 @app.callback()
 def main(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+    log_format: str | None = typer.Option(
+        None, "--log-format", help="text (default) or json: warnings as one JSON object per line [env: GPUFEED_LOG_FORMAT]"
+    ),
     show_version: bool = typer.Option(
         False, "--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."
     ),
 ) -> None:
     """gpufeed command line."""
+    import logging
+
+    from gpufeed.config import parse_log_format
+    from gpufeed.logs import configure
+
+    fmt = parse_log_format(log_format) if log_format else os.environ.get("GPUFEED_LOG_FORMAT") or "text"
+    configure(parse_log_format(fmt, "GPUFEED_LOG_FORMAT"), "cli", debug=debug, level=logging.WARNING)
 
 
 app.add_typer(mount.app, name="mount")
 app.add_typer(agent.app, name="agent")
 app.add_typer(cache.app, name="cache")
+app.add_typer(cluster.app, name="cluster")
 app.command("warmup")(warmup.warmup)
 app.command("verify")(verify.verify)
 app.add_typer(bench.app, name="bench")
@@ -84,6 +95,8 @@ def run(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args or os.environ.get("GPUFEED_DEBUG") == "1"
+    if debug:
+        os.environ["GPUFEED_DEBUG"] = "1"  # an agent this command starts logs tracebacks too
     command = typer.main.get_command(app)
     try:
         code = command.main(args, prog_name="gpufeed", standalone_mode=False)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import typer
 
-from gpufeed.cli.console import human_bytes, out, when
+from gpufeed.cli.console import human_bytes, out, print_json, when
 from gpufeed.cli.progress import Meter
 from gpufeed.meta import Mount
 from gpufeed.meta.manifest import ManifestStats
@@ -75,7 +74,7 @@ def add(
             listed=lambda s: meter.update(s.files, s.bytes),
         )
     if as_json:
-        typer.echo(json.dumps({**_record(mount), "files": stats.files, "bytes": stats.bytes}))
+        print_json({**_record(mount), "files": stats.files, "bytes": stats.bytes})
         return
     out.print(f"mounted {mount.url} at {mount.path}: {_summary(stats)}", highlight=False)
 
@@ -97,7 +96,7 @@ def ls(as_json: bool = typer.Option(False, "--json", help="One JSON array of mou
     """Show every mount, every value in full (one field per line, never cut to the terminal)."""
     records = [_record(m) for m in Namespace().mounts()]
     if as_json:
-        typer.echo(json.dumps(records, indent=2))
+        print_json(records, indent=2)
         return
     if not records:
         out.print("no mounts (add one with 'gpufeed mount add /data URL')")

@@ -3,14 +3,13 @@
 Two `Usage` counts from the agent, `--interval` apart, make the rates: per mount the hit ratio,
 MB/s from the cache and from the store, and stall % (seconds reads waited on misses per second,
 summed over readers: 100 % is one reader waiting all the time); the cache's use against its
-limit; prefetch queued, blocks ahead and lead (mean seconds from a prefetched block landing to
+limit; prefetch queued, samples and blocks ahead, and lead (mean seconds from a prefetched block landing to
 its first read, over the interval); the reading processes by pid. Readers report their hits every
 2 s or 512 hits, so a rate over a shorter interval moves in steps.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -21,7 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from gpufeed.cli.console import human_bytes, out
+from gpufeed.cli.console import human_bytes, out, print_json
 from gpufeed.cli.metrics import running_agent
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
@@ -100,6 +99,7 @@ def snapshot(before: UsageInfo, after: UsageInfo, agent_pid: int) -> dict[str, A
         "prefetch": {
             "queued": after.prefetch_queued,
             "ahead_blocks": after.prefetch_ahead,
+            "ahead_samples": after.prefetch_ahead_samples,
             "lead_s": (after.prefetch_lead_s - before.prefetch_lead_s) / leads if leads else None,
         },
         "mounts": mounts,
@@ -119,7 +119,7 @@ def render(shot: dict[str, Any]) -> Group:
     head = Text(
         f"agent {shot['agent_pid']} · cache {human_bytes(cache['bytes'])} of {human_bytes(cache['limit'])}{used}, "
         f"{cache['blocks']} blocks · {shot['clients']} connections · prefetch {prefetch['queued']} queued, "
-        f"{prefetch['ahead_blocks']} blocks ahead{lead} · over {shot['interval_s']:.1f} s"
+        f"{prefetch['ahead_samples']:,} samples / {prefetch['ahead_blocks']} blocks ahead{lead} · over {shot['interval_s']:.1f} s"
     )
     mounts = Table("mount", "hit ratio", "hits/s", "cache MB/s", "store MB/s", "stall %", "hit ratio (all)", box=None)
     for m in shot["mounts"]:
@@ -161,7 +161,7 @@ def top(
             after = _usage(agent)
             shot = snapshot(before, after, pid)
             if as_json:
-                typer.echo(json.dumps(shot))
+                print_json(shot)
             else:
                 out.print(render(shot))
             if once:

@@ -7,7 +7,6 @@ sub-command would not do: the group's variadic PATH argument swallows its name.)
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -17,7 +16,7 @@ from typing import NoReturn
 import typer
 
 from gpufeed import warmup as warming
-from gpufeed.cli.console import err, human_bytes, out
+from gpufeed.cli.console import err, human_bytes, out, print_json
 from gpufeed.cli.progress import Meter
 from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument
@@ -78,7 +77,7 @@ def warmup(
     fetched = done.done_bytes - done.skipped_bytes
     if as_json:
         summary = {"files": done.done_files, "bytes": done.done_bytes, "fetched_bytes": fetched, "seconds": round(elapsed, 3)}
-        typer.echo(json.dumps(summary))
+        print_json(summary)
         return
     out.print(
         f"warmed {done.done_files} files, {human_bytes(done.done_bytes)} in {elapsed:.1f} s: "
@@ -94,7 +93,7 @@ def _stopped(stop: warming.Stopped, as_json: bool) -> NoReturn:
     cached = p.done_bytes + stop.partial_bytes
     if as_json:
         summary = {"interrupted": True, "files": p.done_files, "bytes": cached, "of_files": p.files, "of_bytes": p.bytes}
-        typer.echo(json.dumps(summary))
+        print_json(summary)
     err.print(
         f"gpufeed: interrupted: {p.done_files}/{p.files} files complete, {human_bytes(cached)} of "
         f"{human_bytes(p.bytes)} cached; run the same warmup again to resume",

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import msgspec
 
-from gpufeed.config import Settings
+from gpufeed.config import Settings, cluster_argv
 from gpufeed.errors import GpufeedError, from_code
 from gpufeed.rpc import codec
 from gpufeed.rpc.messages import (
@@ -65,6 +65,7 @@ def agent_command(settings: Settings, idle_timeout: float | None) -> list[str]:
     if settings.metrics_addr:
         argv += ["--metrics-addr", settings.metrics_addr]
     argv += ["--log-format", settings.log_format]
+    argv += cluster_argv(settings)
     if idle_timeout is not None:
         argv += ["--idle-timeout", str(idle_timeout)]
     return argv

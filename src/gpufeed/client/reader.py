@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from gpufeed import arguments
+from gpufeed import arguments, coverage
 from gpufeed.aio import run_blocking
 from gpufeed.blocks import WHOLE_OBJECT_MAX, CorruptBlock, object_blocks
 from gpufeed.cache import blockfile, openfiles
-from gpufeed.cache.layout import BlockRef, block_path
+from gpufeed.cache.layout import BlockRef
 from gpufeed.cache.openfiles import OpenBlocks
 from gpufeed.client import plan
 from gpufeed.client.connection import AgentClient, AgentUnavailable, HitReporter, Tally
@@ -106,7 +106,7 @@ class Client:
     def _warn_once(self, topic: str, message: str) -> None:
         if topic not in self._warned:
             self._warned.add(topic)
-            log.warning("gpufeed: warning: %s", message)
+            log.warning("gpufeed: warning: %s", message)  # recognisable under logging's last resort too
 
     def _cache_dirs(self) -> tuple | None:
         try:
@@ -400,12 +400,14 @@ class Client:
             group.objects.append(ObjectWant(info, not mount.immutable, handle.blocks.block_size, blocks, repair))
         return [group for group, _ in groups.values()], [h for _, members in groups.values() for h in members]
 
-    def prefetch(self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool = True) -> Queued:
+    def prefetch(
+        self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool = True, ahead_samples: int = 0
+    ) -> Queued:
         """Ask the agent to fetch these blocks soon, for prefetch `session`; returns at once.
         With `pin`, fetched blocks are not evicted until read or until the session ends.
         Raises AgentUnavailable; see gpufeed.prefetch for the window that calls this."""
         groups, _ = self._groups([(handle, blocks, []) for handle, blocks in wanted if handle.blocks is not None])
-        return self.agent.request(Prefetch(session, groups, pin), Queued)
+        return self.agent.request(Prefetch(session, groups, pin, ahead_samples), Queued)
 
     def _hint(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> None:
         """Have the agent cache blocks this client reads around; nobody waits for them."""
@@ -476,19 +478,7 @@ class Client:
 
     def cached_bytes(self, path: str) -> Iterator[tuple[FileStat, int]]:
         """(file, bytes of it present in the cache) for every file under `path`; reads no data."""
-        dirs = self.agent.dirs
-        for item in self.namespace.walk(path):
-            where = self.namespace.resolve(item.path)
-            assert where is not None and item.version is not None
-            policy = CachePolicy.of(where.mount, self.settings)
-            if not policy.enabled:
-                yield item, 0
-                continue
-            mount = where.mount
-            assert item.info is not None
-            blocks = object_blocks(mount.url, source_options(mount), item.info, policy.block_size, not mount.immutable)
-            present = (i for i in range(blocks.count) if os.path.exists(block_path(dirs, blocks.block(i))))
-            yield item, sum(blocks.length(i) for i in present)
+        return coverage.cached_bytes(self.namespace, self.settings, self.agent.dirs, path)
 
     def open(self, path: str | os.PathLike[str], mode: str = "rb") -> FeedFile:
         arguments.mode(mode, "open")

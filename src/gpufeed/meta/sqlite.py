@@ -10,11 +10,17 @@ migrated, so reading commands keep working. A WAL database needs its -shm file t
 the directory cannot hold one it is opened immutable, which is right only when no -wal file
 holds unmerged pages (else one clear error: never a stale read). A missing database that cannot
 be created reads as an empty one. Writes then fail in one line naming the file and why.
+
+Forks: a thread inside SQLite holds its mutexes; a child forked then (a DataLoader worker while
+the prefetch thread opens its connection) inherits them locked and hangs in its first
+`sqlite3.connect`. So every call into SQLite holds one process-wide lock, and `os.fork` takes it
+first (`os.register_at_fork`): a fork waits for the call in progress, never splits it.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sqlite3
 import threading
@@ -78,6 +84,29 @@ is still read, its new fields null."""
 sqlite3.register_adapter(type(None), lambda _: None)
 sqlite3.register_adapter(bool, int)
 
+_IN_SQLITE = threading.RLock()
+"""Held by every call into SQLite in this process, and by `os.fork` while it forks."""
+os.register_at_fork(before=_IN_SQLITE.acquire, after_in_parent=_IN_SQLITE.release, after_in_child=_IN_SQLITE.release)
+WALK_BATCH = 1024
+
+
+def _fork_safe(cls: type[T]) -> type[T]:
+    """Class decorator: each public method (and `_db`, which may connect) runs under `_IN_SQLITE`."""
+
+    def guarded(method: Callable[..., R]) -> Callable[..., R]:
+        @functools.wraps(method)
+        def call(*args: object, **kwargs: object) -> R:
+            with _IN_SQLITE:
+                return method(*args, **kwargs)
+
+        return call
+
+    for name, member in list(vars(cls).items()):
+        if inspect.isfunction(member) and not name.startswith("_") and not inspect.isgeneratorfunction(member):
+            setattr(cls, name, guarded(member))
+    return cls
+
+
 _entry = Entry._make  # rows come back in Entry's field order; is_dir is 0/1, which compares as bool
 
 _CANNOT_WRITE = ("readonly", "read-only", "disk", "full", "unable to open", "locking protocol")
@@ -86,6 +115,7 @@ FULL_MARGIN = 1 << 20
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 def _writes(method: Callable[Concatenate[SqliteEngine, P], R]) -> Callable[Concatenate[SqliteEngine, P], R]:
@@ -107,6 +137,7 @@ def _writes(method: Callable[Concatenate[SqliteEngine, P], R]) -> Callable[Conca
 
 
 @engine_errors(sqlite3.OperationalError, sqlite3.DatabaseError)
+@_fork_safe
 class SqliteEngine:
     """Opening never writes unless the database must be created or migrated, so reading
     commands work on a read-only or full GPUFEED_HOME. Where SQLite cannot open it for reading
@@ -141,7 +172,8 @@ class SqliteEngine:
             raise self.cannot_write(self.read_only)
 
     def _connect(self) -> sqlite3.Connection:
-        conn = self._open()
+        with _IN_SQLITE:
+            conn = self._open()
         self._local.conn, self._local.pid = conn, os.getpid()
         return conn
 
@@ -301,6 +333,18 @@ class SqliteEngine:
         return list(map(_entry, rows))
 
     def walk(self, generation: int, prefix: str) -> Iterator[Entry]:
+        """Rows fetched in batches under the fork lock, yielded outside it: a slow consumer
+        never holds up a fork."""
+        with _IN_SQLITE:
+            cursor = self._walk(generation, prefix)
+        while True:
+            with _IN_SQLITE:
+                rows = cursor.fetchmany(WALK_BATCH)
+            if not rows:
+                return
+            yield from map(_entry, rows)
+
+    def _walk(self, generation: int, prefix: str) -> sqlite3.Cursor:
         if prefix:
             # '0' is the character after '/', so [prefix/, prefix0) is everything below prefix.
             cursor = self._db.execute(
@@ -313,8 +357,7 @@ class SqliteEngine:
                 f"SELECT {self._columns} FROM entries WHERE generation = ? AND is_dir = 0 ORDER BY parent, name",
                 (generation,),
             )
-        for row in cursor:
-            yield _entry(row)
+        return cursor
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)

@@ -76,6 +76,9 @@ class Prefetch(msgspec.Struct, tag="prefetch"):
     session: str
     groups: list[Group]
     pin: bool = True
+    ahead_samples: int = 0
+    """Samples the job had asked for ahead of the one it consumes, when it sent this: the
+    prefetch lead in samples (0: the sender does not count samples)."""
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
@@ -183,6 +186,8 @@ class UsageInfo(msgspec.Struct, tag="usage_info"):
     prefetch_lead_s: float
     prefetch_leads: int
     """Sum and count of prefetch leads (a prefetched block's first read after it landed)."""
+    prefetch_ahead_samples: int
+    """Samples the live prefetch sessions have asked for ahead of their consumers."""
     mounts: list[MountUsage]
     readers: list[ReaderUsage]
 
@@ -226,3 +231,10 @@ class Refused(msgspec.Struct, tag="refused"):
 
 
 Reply = AgentInfo | Fetched | Queued | Cleared | Done | Refused | MetricsText | UsageInfo
+
+
+class PeerFetch(msgspec.Struct, tag="peer_fetch"):
+    """A peer's request to a block's owner (the peer HTTP API, not the local socket): the one
+    object and the one block it misses, as its reader named them, credentials included."""
+
+    group: Group

@@ -45,14 +45,26 @@ def caller_credentials(url: str, options: dict[str, str]) -> dict[str, str]:
     """The store credentials in this process's environment, as store options. A client sends
     them with each request to the node agent (same user only), so the agent reads with the
     reader's identity instead of whatever its own environment held when it started; they are
-    never written to the metadata engine. S3 keys go only as a pair with their key id."""
+    never written to the metadata engine. S3 keys go only as a pair with their key id, and
+    none go for a mount whose options hold credentials of their own."""
     if parse_bool("anonymous", options.get("anonymous", "false")):
         return {}
     names = next((names for schemes, names in _CALLER_CREDENTIALS.items() if url.startswith(schemes)), ())
+    if {_bare(key) for key in options} & {_bare(name) for name in names}:
+        return {}  # the mount names its own credentials: the caller's are not mixed in
     found = {name.lower(): os.environ[name] for name in names if os.environ.get(name)}
     if url.startswith(("s3://", "s3a://")) and "aws_access_key_id" not in found:
         return {}
     return found
+
+
+def _bare(key: str) -> str:
+    """A credential's name without its cloud's prefix: `access_key_id` and `AWS_ACCESS_KEY_ID`
+    are one setting to obstore, which refuses to be given both."""
+    key = key.lower()
+    for prefix in ("aws_", "google_", "azure_storage_", "azure_"):
+        key = key.removeprefix(prefix)
+    return key
 
 
 def client_options(settings: Settings, endpoint: str | None = None) -> ClientConfig:

@@ -1,0 +1,167 @@
+"""N nodes read the same dataset at once, cold: each node alone against the store, then as a
+cache cluster. Needs root (network namespaces).
+
+    python benchmarks/cluster.py [--nodes 1,2,3,4] [--files 320] [--size 262144]
+                                 [--link-mbit 200] [--store-mbps 25] [--latency-ms 20]
+
+Every node is a network namespace with its own agent and reader, joined to the host by a veth
+pair shaped with `tc tbf` (--link-mbit each way), so links, not this machine's two cores, are
+the limit. The store is nginx behind the project's shaper on the host's bridge address:
+--latency-ms to the first byte, --store-mbps for all nodes together (one store's egress). Each
+node's reader reads every file once in its own shuffled order, 16 files per call (a batch's
+`__getitems__`). The cluster's Redis runs on the bridge too.
+
+Printed per N and way: the store's egress as a multiple of the dataset (from the agents' own
+counts of bytes read from the store), the slowest node's epoch time, the aggregate read
+throughput and its ratio to N times the one-node figure of the same way, each node's MB/s, and
+for the cluster the busiest node's peer traffic against the mean (load balance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from gpufeed.bench.children import free_port
+from gpufeed.bench.netns import Host, bridged_hosts
+from gpufeed.bench.server import serving
+from gpufeed.bench.shaper import shaping
+from gpufeed.namespace import Namespace
+
+TOKEN = "benchmark-cluster-token-0123456789"
+READER = """
+import random, sys, time, gpufeed
+paths = [f"/data/{i:05d}.bin" for i in range(int(sys.argv[1]))]
+random.Random(int(sys.argv[2])).shuffle(paths)
+client = gpufeed.client()
+began = time.monotonic()
+total = 0
+for i in range(0, len(paths), 16):
+    total += sum(len(view) for view in client.read_files(paths[i:i + 16]))
+print(total, time.monotonic() - began)
+"""
+
+
+def node_metric(host: Host, cache: Path, pattern: str) -> float | None:
+    """The sum of the node agent's samples matching `pattern`; None while no agent answers."""
+    env = {**os.environ, "GPUFEED_CACHE_DIRS": str(cache)}
+    done = subprocess.run(host.command([sys.executable, "-m", "gpufeed", "metrics"]), env=env, capture_output=True,
+                          text=True, timeout=60)
+    if done.returncode != 0:
+        return None
+    return sum(float(value) for value in re.findall(rf"^{pattern} (\S+)$", done.stdout, re.M))
+
+
+def run(count: int, clustered: bool, args: argparse.Namespace, store_url: str, work: Path) -> dict[str, float | list[float]]:
+    with ExitStack() as stack:
+        bridge, hosts = stack.enter_context(bridged_hosts(count, args.link_mbit))
+        upstream = urlsplit(store_url)
+        port = stack.enter_context(shaping((upstream.hostname or "127.0.0.1", upstream.port or 80), args.latency_ms,
+                                           args.store_mbps, work / "shaper.log", bridge))
+        home = work / f"home-{count}-{int(clustered)}"
+        os.environ["GPUFEED_HOME"] = str(home)
+        Namespace().add_mount("/data", f"http://{bridge}:{port}/data")
+        redis_port = free_port()
+        redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", bridge, "--save", "", "--appendonly",
+                                  "no", "--protected-mode", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stack.callback(redis.wait, 20)
+        stack.callback(redis.terminate)
+        env = {**os.environ, "GPUFEED_CLUSTER_TOKEN": TOKEN}
+        caches = []
+        agents = []
+        for i, host in enumerate(hosts):
+            cache = home / f"node{i}"
+            cache.mkdir(parents=True)
+            argv = [sys.executable, "-m", "gpufeed.agent", "--cache-dir", str(cache)]
+            if clustered:
+                argv += ["--cluster", f"redis://{bridge}:{redis_port}/0", "--peer-addr", f"{host.address}:7070",
+                         "--node-id", f"node{i}"]
+            log = open(work / f"agent-{count}-{int(clustered)}-{i}.log", "wb")  # noqa: SIM115 - closed by the stack
+            stack.callback(log.close)
+            agent = subprocess.Popen(host.command(argv), stdout=log, stderr=log, env=env)
+            stack.callback(agent.wait, 30)
+            stack.callback(agent.send_signal, signal.SIGTERM)
+            caches.append(cache)
+            agents.append(agent)
+        deadline = time.monotonic() + 60
+        for host, cache in zip(hosts, caches, strict=True):
+            while node_metric(host, cache, "gpufeed_cluster_members") != (count if clustered else 0):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{host.name}'s agent did not come up: see {work}")
+                time.sleep(0.2)
+        readers = [
+            subprocess.Popen(host.command([sys.executable, "-c", READER, str(args.files), str(i)]), stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "GPUFEED_CACHE_DIRS": str(cache)})
+            for i, (host, cache) in enumerate(zip(hosts, caches, strict=True))
+        ]
+        seconds = []
+        for reader in readers:
+            out, _ = reader.communicate(timeout=600)
+            if reader.returncode != 0:
+                raise SystemExit(f"a reader failed: see {work}")
+            total, took = out.split()
+            assert int(total) == args.files * args.size
+            seconds.append(float(took))
+        pairs = list(zip(hosts, caches, strict=True))
+        store = sum(node_metric(h, c, r'gpufeed_miss_bytes_total\{mount="/data",tier="store"\}') or 0.0 for h, c in pairs)
+        served = [node_metric(h, c, "gpufeed_peer_served_bytes_total") or 0.0 for h, c in pairs]
+    dataset = args.files * args.size
+    return {
+        "egress": store / dataset,
+        "slowest_s": max(seconds),
+        "aggregate_mbs": count * dataset / max(seconds) / 1e6,
+        "node_mbs": [dataset / s / 1e6 for s in seconds],
+        "load": max(served) / (sum(served) / len(served)) if clustered and sum(served) else 0.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default="1,2,3,4")
+    parser.add_argument("--files", type=int, default=320)
+    parser.add_argument("--size", type=int, default=256 << 10)
+    parser.add_argument("--link-mbit", type=float, default=200)
+    parser.add_argument("--store-mbps", type=float, default=25)
+    parser.add_argument("--latency-ms", type=float, default=20)
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("benchmarks/cluster.py needs root (network namespaces)")
+    work = Path(tempfile.mkdtemp(prefix="gpufeed-cluster-"))
+    try:
+        data = work / "www" / "data"
+        data.mkdir(parents=True)
+        for i in range(args.files):
+            (data / f"{i:05d}.bin").write_bytes(os.urandom(args.size))
+        with serving(work / "www", work / "server") as store_url:
+            mib = args.files * args.size / 2**20
+            print(f"{args.files} files of {args.size:,} B ({mib:.0f} MiB); store {args.latency_ms:g} ms, "
+                  f"{args.store_mbps:g} MB/s for all; each node's link {args.link_mbit:g} Mbit/s")
+            print(f"{'N':>2} {'way':8} {'store egress':>13} {'slowest s':>10} {'aggregate MB/s':>15} {'vs N x 1 node':>14} "
+                  f"{'load max/mean':>14}  per node MB/s")
+            single: dict[bool, float] = {}
+            for count in (int(n) for n in args.nodes.split(",")):
+                for clustered in (False, True):
+                    result = run(count, clustered, args, store_url, work)
+                    aggregate = float(result["aggregate_mbs"])  # type: ignore[arg-type]
+                    single.setdefault(clustered, aggregate / count)
+                    nodes = " ".join(f"{mbs:.1f}" for mbs in result["node_mbs"])  # type: ignore[union-attr]
+                    load = f"{result['load']:.2f}" if clustered and count > 1 else "-"
+                    print(f"{count:>2} {'cluster' if clustered else 'alone':8} {result['egress']:>12.2f}x "
+                          f"{result['slowest_s']:>10.2f} {aggregate:>15.1f} {aggregate / (count * single[clustered]):>13.2f}x "
+                          f"{load:>14}  {nodes}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

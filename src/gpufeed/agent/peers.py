@@ -1,0 +1,314 @@
+"""Peers: a miss for a block another node owns is served by that node, from its cache or
+fetched from the store once, by it. One more `BlockSource` in the fetcher's chain, before the
+store, and the HTTP API that answers it.
+
+    POST /v1/block   Authorization: Bearer TOKEN, body: msgpack `PeerFetch` (one object, one block)
+      200  the block's bytes; X-Gpufeed-Xxh3: their xxh3-64, which the asker checks
+      404  the owner cannot cache it: the asker reads the store itself
+      400 malformed, 401 wrong token, 413 over MAX_REQUEST, 502 the store failed the owner
+    GET /v1/health   200 "ok" (token required too): how a suspect peer is probed
+
+Blocks are named by the request's own object identity (`Fetcher.jobs` derives it, as for local
+readers): no paths, nothing to traverse. A peer that fails, times out or refuses is suspect at
+once and skipped, then probed in the background until it answers; the store is always last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hmac
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import msgspec
+import xxhash
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from gpufeed import errors
+from gpufeed.blocks import CorruptBlock
+from gpufeed.cache import blockfile
+from gpufeed.cache.layout import BlockRef
+from gpufeed.cache.openfiles import OpenBlocks
+from gpufeed.cluster.membership import HEARTBEAT_S, Membership
+from gpufeed.cluster.ownership import Node, owners
+from gpufeed.config import Settings, parse_addr
+from gpufeed.rpc.messages import Group, ObjectWant, PeerFetch
+
+if TYPE_CHECKING:
+    from gpufeed.agent.fetcher import Fetcher, Job
+    from gpufeed.agent.metrics import Metrics
+
+log = logging.getLogger("gpufeed.agent")
+
+MAX_REQUEST = 1 << 20
+CONNECT_TIMEOUT_S = 0.5
+READ_TIMEOUT_S = 10.0
+"""A peer that took the request but sends nothing for this long is suspect: a hung process. Its
+store may be slow, so this is generous; a host that is gone is caught by UNACKED_S instead."""
+UNACKED_S = 1.0
+"""A request the peer's host has not acknowledged for this long fails (TCP_USER_TIMEOUT): a host
+off the network is skipped within a second even on a kept-alive connection."""
+PROBE_S = 1.0
+CHECKSUM = "X-Gpufeed-Xxh3"
+_decoder = msgspec.msgpack.Decoder(PeerFetch)
+_encoder = msgspec.msgpack.Encoder()
+
+serving_peer: contextvars.ContextVar[bool] = contextvars.ContextVar("serving_peer", default=False)
+"""Set while the agent fetches for a peer: such a fetch goes to the store, never to a third node."""
+
+
+def load_token() -> str:
+    """The cluster's shared secret: `GPUFEED_CLUSTER_TOKEN_FILE` (a file only its user reads) or
+    `GPUFEED_CLUSTER_TOKEN`; never a command-line argument, never stored in Redis."""
+    path = os.environ.get("GPUFEED_CLUSTER_TOKEN_FILE")
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise errors.InvalidArgument(f"GPUFEED_CLUSTER_TOKEN_FILE {path}: {exc.strerror or exc}") from None
+    else:
+        token = os.environ.get("GPUFEED_CLUSTER_TOKEN", "").strip()
+    if len(token) < 16:
+        raise errors.InvalidArgument(
+            "a cluster needs a token of at least 16 characters in GPUFEED_CLUSTER_TOKEN_FILE or GPUFEED_CLUSTER_TOKEN"
+        )
+    return token
+
+
+class Suspects:
+    """Peers skipped after a failure, each probed every PROBE_S until it answers again."""
+
+    def __init__(self, probe: PeerProbe) -> None:
+        self.since: dict[str, float] = {}
+        self._probe = probe
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __contains__(self, node_id: str) -> bool:
+        return node_id in self.since
+
+    def mark(self, node: Node, why: str) -> None:
+        if node.id in self.since:
+            return
+        self.since[node.id] = time.monotonic()
+        log.warning("peer %s (%s) is suspect: %s; skipped until it answers", node.id, node.address, why)
+        task = asyncio.create_task(self._until_back(node))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _until_back(self, node: Node) -> None:
+        while not await self._probe(node):
+            await asyncio.sleep(PROBE_S)
+        away = time.monotonic() - self.since.pop(node.id, time.monotonic())
+        log.info("peer %s answers again after %.1f s", node.id, away)
+
+
+class PeerProbe:
+    def __init__(self, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
+        self.session = session
+        self.headers = headers
+
+    async def __call__(self, node: Node) -> bool:
+        try:
+            async with self.session.get(f"http://{node.address}/v1/health", headers=self.headers) as response:
+                return response.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+
+def _peer_socket(addr: tuple[int, int, int, str, Any]) -> socket.socket:
+    family, kind, proto, _, _ = addr
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(UNACKED_S * 1000))
+    return sock
+
+
+class PeerBlocks:
+    """The owners of a block, asked in order before the store (`fetcher.BlockSource`)."""
+
+    def __init__(self, membership: Membership, replicas: int, token: str, metrics: Metrics) -> None:
+        self.membership = membership
+        self.replicas = replicas
+        self.metrics = metrics
+        self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/msgpack"}
+        self.session: aiohttp.ClientSession | None = None
+        self.suspects: Suspects | None = None
+
+    def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
+        connector = aiohttp.TCPConnector(limit=0, socket_factory=_peer_socket)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        self.suspects = Suspects(PeerProbe(self.session, self.headers))
+
+    def suspected(self) -> list[str]:
+        return [] if self.suspects is None else list(self.suspects.since)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def read(self, job: Job, start: int, end: int) -> memoryview | None:
+        nodes = self.membership.nodes
+        if serving_peer.get() or job.verified_whole or len(nodes) < 2 or job.group is None:
+            return None
+        assert self.suspects is not None
+        me = self.membership.me.id
+        for node in owners(job.block.name, nodes, self.replicas):
+            if node.id == me:
+                return None  # this node owns it: the store, by this node
+            if node.id in self.suspects:
+                continue
+            began = time.monotonic()
+            data = await self._ask(node, job, end - start)
+            if data is not None:
+                self.metrics.fetched(job.mount, "peer", len(data), time.monotonic() - began)
+                return data
+        return None
+
+    async def _ask(self, node: Node, job: Job, length: int) -> memoryview | None:
+        assert self.session is not None and self.suspects is not None and job.group is not None
+        want = job.want
+        one = Group(job.group.source, [ObjectWant(want.info, want.check, want.block_size, [job.index])],
+                    job.group.credentials, job.group.mount)
+        try:
+            async with self.session.post(
+                f"http://{node.address}/v1/block", data=_encoder.encode(PeerFetch(one)), headers=self.headers
+            ) as response:
+                if response.status == 404:
+                    return None
+                if response.status != 200:
+                    self.suspects.mark(node, f"HTTP {response.status} {(await response.text())[:200]}")
+                    return None
+                data = await response.read()
+                expected = response.headers.get(CHECKSUM, "")
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            self.suspects.mark(node, str(exc) or type(exc).__name__)
+            return None
+        if len(data) != length or xxhash.xxh3_64_hexdigest(data) != expected:
+            self.metrics.count("peer_corrupt")
+            self.suspects.mark(node, f"block {job.block.name} arrived damaged ({len(data)} of {length} bytes)")
+            return None
+        return memoryview(data)
+
+
+class PeerServer:
+    """The peer HTTP API of this node."""
+
+    def __init__(self, fetcher: Fetcher, dirs: tuple[Path, ...], token: str, metrics: Metrics) -> None:
+        self.fetcher = fetcher
+        self.dirs = dirs
+        self.expected = f"Bearer {token}".encode()
+        self.metrics = metrics
+        self.files = OpenBlocks(dirs[0], 0)
+        self._runner: web.AppRunner | None = None
+
+    def _allowed(self, request: web.Request) -> bool:
+        if hmac.compare_digest(request.headers.get("Authorization", "").encode(), self.expected):
+            return True
+        log.warning("peer request from %s refused: wrong or missing cluster token", request.remote)
+        return False
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok") if self._allowed(request) else web.Response(status=401, text="wrong token")
+
+    async def block(self, request: web.Request) -> web.Response:
+        if not self._allowed(request):
+            return web.Response(status=401, text="wrong token")
+        try:
+            body = await request.read()
+            group = _decoder.decode(body).group
+            jobs = self.fetcher.jobs([group])
+        except web.HTTPRequestEntityTooLarge:
+            raise
+        except (msgspec.DecodeError, msgspec.ValidationError, errors.InvalidArgument) as exc:
+            return web.Response(status=400, text=f"malformed block request: {exc}")
+        if len(jobs) != 1 or jobs[0].verified_whole:
+            return web.Response(status=400, text="a peer request names exactly one block of one object")
+        job = jobs[0]
+        mark = serving_peer.set(True)
+        try:
+            status, _ = await self.fetcher.ensure(job)
+        except errors.GpufeedError as exc:
+            return web.Response(status=502, text=str(exc))
+        finally:
+            serving_peer.reset(mark)
+        if status != "ok":
+            return web.Response(status=404, text="not cached here")
+        ref = BlockRef.of(self.dirs, job.blocks, True, self.files)
+        try:
+            data = await asyncio.to_thread(blockfile.read, ref, job.index, 0, job.blocks.length(job.index))
+        except (FileNotFoundError, CorruptBlock):
+            return web.Response(status=404, text="not cached here")
+        self.metrics.count("peer_served")
+        self.metrics.count("peer_served_bytes", len(data))
+        return web.Response(body=data, headers={CHECKSUM: xxhash.xxh3_64_hexdigest(data)})
+
+    async def start(self, host: str, port: int) -> None:
+        app = web.Application(client_max_size=MAX_REQUEST)
+        app.router.add_post("/v1/block", self.block)
+        app.router.add_get("/v1/health", self.health)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        log.info("peer API on %s:%d", host, port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+class ClusterNode:
+    """This agent as a member of a cache cluster: its registration and heartbeat, its peers as
+    the first source of blocks, and its peer API."""
+
+    def __init__(self, settings: Settings, fetcher: Fetcher, dirs: tuple[Path, ...], metrics: Metrics,
+                 capacity: int, stats: Callable[[], dict[str, Any]]) -> None:
+        if not settings.peer_addr:
+            raise errors.InvalidArgument("a cluster member needs --peer-addr HOST:PORT (GPUFEED_PEER_ADDR) for its peer API")
+        if settings.replicas < 1:
+            raise errors.InvalidArgument(f"--replicas {settings.replicas}: must be at least 1")
+        token = load_token()
+        advertise = settings.advertise or settings.peer_addr
+        host, port = parse_addr(advertise, "--advertise")
+        if host in ("0.0.0.0", "::"):
+            raise errors.InvalidArgument(f"--advertise {advertise}: give an address the other nodes can reach")
+        self.bind = parse_addr(settings.peer_addr, "--peer-addr")
+        me = Node(settings.node_id or f"{socket.gethostname()}@{host}:{port}", f"{host}:{port}", settings.node_weight, capacity)
+        self.membership = Membership(settings.cluster, me, stats)
+        self.blocks = PeerBlocks(self.membership, settings.replicas, token, metrics)
+        self.server = PeerServer(fetcher, dirs, token, metrics)
+        fetcher.chain.insert(0, self.blocks)
+        self._beating: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        try:
+            await self.server.start(*self.bind)
+        except OSError as exc:
+            raise errors.GpufeedError(f"--peer-addr {self.bind[0]}:{self.bind[1]}: {exc.strerror or exc}") from None
+        self.blocks.start()
+        try:
+            await self.membership.join()
+        except (RedisError, OSError) as exc:
+            await self.stop()
+            raise errors.GpufeedError(f"cluster {self.membership.where}: {exc}") from None
+        self._beating = asyncio.create_task(self._beat())
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            await self.membership.beat()
+
+    async def stop(self) -> None:
+        if self._beating is not None:
+            self._beating.cancel()
+            await self.membership.leave()
+        await self.server.stop()
+        await self.blocks.close()
