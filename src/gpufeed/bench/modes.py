@@ -282,6 +282,36 @@ def _cached(run: RunContext) -> Iterator[Prepared]:
         stop_agent(run.settings)
 
 
+# -- fuse: an unchanged script reading files at a gpufeed fuse mount ------------------------------
+
+
+@contextmanager
+def _fuse(run: RunContext) -> Iterator[Prepared]:
+    """The mode's mount served by `gpufeed fuse` (background warmup on, as it is by default);
+    workers open and pread files at the mountpoint as a script that knows nothing of gpufeed
+    does. With the mount's cache off (`fuse-direct`) it is a plain FUSE view of the store:
+    seed 003's comparison of a FUSE mount of the remote against the cached mount."""
+    from gpufeed.integrations import fuse_mounts
+
+    client = Client(run.settings)
+    where = client.namespace.resolve(run.dataset.paths[0])
+    assert where is not None
+    nspath = where.mount.path
+    point = run.workdir / f"fuse{nspath.replace('/', '-')}"
+    point.mkdir()
+    fuse_mounts.check(run.settings, point)
+    try:
+        client.agent.stats()  # the node's agent runs before the job, as in `cached`
+        fuse_mounts.start(run.settings, point, nspath, warmup=True)
+        local = tuple(str(point / path[len(nspath) + 1 :]) for path in run.dataset.paths)
+        yield Prepared(LocalReaderSpec(local), source_bytes=lambda: client.agent.stats().bytes_fetched)
+    finally:
+        if point in fuse_mounts.mounted():
+            fuse_mounts.stop(run.settings, point)
+        client.close()
+        stop_agent(run.settings)
+
+
 MODES: dict[str, Mode] = {
     mode.name: mode
     for mode in (
@@ -300,6 +330,18 @@ MODES: dict[str, Mode] = {
         ),
         Mode("copy", "the dataset copied to local disk first (copy time counted), then read locally", _copy, NO_CACHE),
         Mode("cached", "read through the node cache: epoch 1 cold, later epochs from local blocks", _cached),
+        Mode(
+            "fuse",
+            "an unchanged script's open+pread of the files at a `gpufeed fuse` mount: epoch 1 cold with the "
+            "mount's background warmup, later epochs warm",
+            _fuse,
+        ),
+        Mode(
+            "fuse-direct",
+            "the same at a mount with the cache off: a plain FUSE view of the store, every read a request",
+            _fuse,
+            NO_CACHE,
+        ),
         Mode(
             "local",
             "a file:// source's files read in place with open+pread, never through an emulated remote: the baseline",

@@ -8,7 +8,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
-from gpufeed.cli import agent, bench, cache, cluster, demo, files, metrics, mount, top, verify, warmup
+from gpufeed.cli import agent, bench, cache, cluster, demo, files, fuse, metrics, mount, top, verify, warmup
 from gpufeed.cli.console import err, out
 from gpufeed.errors import GpufeedError
 
@@ -68,6 +68,7 @@ app.add_typer(bench.app, name="bench")
 app.command("demo")(demo.demo)
 app.command("metrics")(metrics.metrics)
 app.command("top")(top.top)
+app.command("fuse")(fuse.fuse)
 files.register(app)
 
 

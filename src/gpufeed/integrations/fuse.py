@@ -1,0 +1,466 @@
+"""A read-only POSIX view of a namespace path (`gpufeed fuse MOUNTPOINT NSPATH`), so scripts that
+open paths (ImageFolder, PIL.Image.open, np.load) read through the cache unchanged.
+
+The daemon is one more client of the node agent: metadata comes from the manifest
+(`Client.stat`, `Client.ls`), bytes from `Client.read_range` (a hit is a pread of a published
+block, a miss goes to the agent). It never reads a store itself.
+
+Why it is shaped this way:
+- libfuse3's high-level API through mfusepy, multithreaded: one Python callback per kernel
+  request, and a read request is up to 1 MiB (`max_read`), so there is no Python work per
+  4 KiB. The reply is copied from the read path's buffer into libfuse's once (`_FeedFUSE.read`).
+- The kernel keeps attributes and entries for ATTR_TIMEOUT_S and keeps a file's page cache
+  across opens (`keep_cache`) while the manifest lists the same version: a warm epoch does
+  not call into Python for the bytes at all. A refresh that changes an object is seen by
+  `_watch`, which invalidates what the kernel holds for it; its next open drops the pages.
+- Callbacks arrive on libfuse's threads, whose Python thread state (and so every
+  threading.local, the agent connection among them) lives for one callback only. Prefetch
+  sessions end with the connection that opened them, so warmup and read-ahead are sent from
+  one long-lived thread of this module (`_Prefetch`), never from a callback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import json
+import logging
+import os
+import queue
+import stat
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpufeed.client import Client, ObjectHandle
+from gpufeed.client.connection import AgentUnavailable
+from gpufeed.errors import GpufeedError, IsADirectory, NamespacePathError
+from gpufeed.integrations.fuse_mounts import FuseError, state_file
+
+# mfusepy takes the first of libfuse2 and libfuse3 it finds; gpufeed is built on libfuse3 (fuse3
+# package): its multithreaded loop, fuse_invalidate_path, max_pages.
+os.environ.setdefault("FUSE_LIBRARY_NAME", "fuse3")
+import mfusepy  # noqa: E402
+
+log = logging.getLogger("gpufeed.fuse")
+
+ATTR_TIMEOUT_S = 3600.0
+"""How long the kernel keeps a lookup or an attribute; a refresh invalidates what changed."""
+NEGATIVE_TIMEOUT_S = 1.0
+"""How long the kernel remembers that a name does not exist (a refresh may add it)."""
+MAX_READ = 1 << 20
+"""Bytes one read request may carry: libfuse3 asks the kernel for 256-page requests, and the
+mount's read-ahead is raised to match (`_read_ahead_kb`), so a sequential reader costs one
+callback per MiB instead of one per 128 KiB."""
+BLKSIZE = 128 << 10
+"""The I/O size files report (st_blksize): Python's open() buffers that much, so PIL's first
+read of a JPEG asks for 128 KiB and the kernel's read-ahead fetches the whole file in one
+read request, where an 8 KiB first read took three."""
+READ_AHEAD_BLOCKS = 4
+"""Blocks fetched ahead of a sequential reader of a big file (16 MiB with 4 MiB blocks)."""
+WARMUP_CHUNK_BYTES = 64 << 20
+"""The background warmup queues this much at a time, and at most two chunks at once, so a
+million-file mount is not one agent request and demand reads find the store's slots free."""
+_DONE = object()
+WATCH_S = 1.0
+"""How often the daemon checks the mount table for a refresh and writes its state file."""
+
+
+@dataclass
+class MountState:
+    """What a mount's daemon reports about itself: its identity, the callbacks it served and
+    how far its warmup got."""
+
+    mountpoint: str
+    nspath: str
+    pid: int
+    started: float
+    warmup: bool
+    calls: dict[str, int] = field(default_factory=dict)
+    warm_files: int = 0
+    warm_total: int = 0
+    warm_done: bool = False
+    errors: int = 0
+    written: float = 0.0
+
+
+class _Prefetch(threading.Thread):
+    """The one thread that talks to the agent about blocks nobody waits for: read-ahead of
+    sequential readers and the background warmup of the mounted prefix. Demand reads go
+    through `Client.read_range` on the callback's thread; the agent serves them in slots of
+    their own, so they pass whatever this thread has queued."""
+
+    def __init__(self, client: Client, nspath: str, state: MountState) -> None:
+        super().__init__(name="gpufeed-fuse-prefetch", daemon=True)
+        self.client = client
+        self.nspath = nspath
+        self.state = state
+        self.ahead: queue.Queue[tuple[ObjectHandle, list[int]]] = queue.Queue()
+        self._session = f"fuse-{os.getpid()}"
+        self._warm_session = f"fuse-warmup-{os.getpid()}"
+
+    def run(self) -> None:
+        warming = self._warm() if self.state.warmup else None
+        while True:
+            try:
+                handle, blocks = self.ahead.get(timeout=0.02 if warming is not None else None)
+                if missing := self._cached_soon(handle, blocks):
+                    self._send([(handle, missing)], self._session, pin=True)
+                continue
+            except queue.Empty:
+                pass
+            try:
+                if warming is not None and next(warming, _DONE) is _DONE:
+                    warming = None
+            except GpufeedError as exc:  # the manifest went away under the warmup: read-ahead goes on
+                log.warning("gpufeed fuse: warmup of %s stopped: %s", self.nspath, exc)
+                warming = None
+
+    @staticmethod
+    def _cached_soon(handle: ObjectHandle, blocks: list[int]) -> list[int]:
+        """Have the kernel read the cached ones of `blocks` from disk now (a sequential reader
+        of a cached file otherwise waits on each page of the block file it reaches); returns
+        the others, for the agent to fetch."""
+        ref = handle.blocks
+        assert ref is not None
+        missing = []
+        for index in blocks:
+            try:
+                fd = os.open(ref.path(index), os.O_RDONLY)
+            except FileNotFoundError:
+                missing.append(index)
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+        return missing
+
+    def _send(self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool) -> bool:
+        try:
+            self.client.prefetch(wanted, session, pin=pin)
+            return True
+        except (AgentUnavailable, GpufeedError, OSError) as exc:
+            log.debug("prefetch not sent: %s", exc)
+            return False
+
+    def _warm(self) -> Iterator[None]:
+        """A generator, one step at a time between read-ahead requests: queue a chunk of the
+        prefix's missing blocks, then wait (stepwise) until the chunk before it is cached."""
+        started = time.monotonic()
+        files = list(self.client.walk(self.nspath))
+        self.state.warm_total = len(files)
+        sent: list[tuple[ObjectHandle, list[int]]] = []
+        chunk: list[tuple[ObjectHandle, list[int]]] = []
+        chunk_bytes = 0
+        for number, item in enumerate(files, 1):
+            try:
+                handle = self.client.handle(item.path)
+            except GpufeedError as exc:
+                log.warning("gpufeed fuse: warmup skips %s: %s", item.path, exc)
+                continue
+            ref = handle.blocks
+            if ref is not None:
+                missing = [i for i in range(ref.blocks.count) if not os.path.exists(ref.path(i))]
+                if missing:
+                    chunk.append((handle, missing))
+                    chunk_bytes += sum(ref.length(i) for i in missing)
+            if chunk_bytes >= WARMUP_CHUNK_BYTES or number == len(files):
+                while chunk and not self._send(chunk, self._warm_session, pin=False):
+                    yield  # no agent for now: the next request starts one
+                yield from self._cached(sent)
+                self.state.warm_files = number - len(chunk)
+                sent, chunk, chunk_bytes = chunk, [], 0
+        yield from self._cached(sent)
+        self.state.warm_files, self.state.warm_done = len(files), True
+        log.info("gpufeed fuse: warmup of %s done: %d files in %.1f s", self.nspath, len(files), time.monotonic() - started)
+
+    @staticmethod
+    def _cached(sent: list[tuple[ObjectHandle, list[int]]]) -> Iterator[None]:
+        """Steps until every block of `sent` is published (an evicted or failed one counts as
+        done after a while: the warmup is a hint, the demand read fetches it anyway)."""
+        deadline = time.monotonic() + 120.0
+        for handle, blocks in sent:
+            ref = handle.blocks
+            assert ref is not None
+            for index in blocks:
+                while not os.path.exists(ref.path(index)) and time.monotonic() < deadline:
+                    yield
+
+
+@dataclass
+class _Open:
+    """One open file: the handle pins the version every read of it sees; `next` and `ahead`
+    follow a sequential reader to fetch the blocks after the one it reads."""
+
+    handle: ObjectHandle
+    next: int = 0
+    ahead: int = 0
+
+
+class FeedOperations(mfusepy.Operations):
+    """The filesystem: FUSE path `/a/b` is namespace path `NSPATH/a/b`."""
+
+    use_ns = True
+
+    def __init__(self, client: Client, nspath: str, state: MountState) -> None:
+        self.client = client
+        self.base = nspath.rstrip("/")
+        self.state = state
+        self.calls: Counter[str] = Counter()
+        self.uid, self.gid = os.getuid(), os.getgid()
+        self._opens: dict[int, _Open] = {}
+        self._next_fh = 0
+        self._lock = threading.Lock()
+        self._served: dict[str, tuple[str | None, int]] = {}
+        """FUSE path → (version, size) the kernel was told: what a refresh must invalidate."""
+        self._fuse: int | None = None
+        self.started = False
+        self._logged: set[str] = set()
+        self.prefetcher = _Prefetch(client, nspath, state)
+
+    def _ns(self, path: str) -> str:
+        return self.base + path if path != "/" else self.base or "/"
+
+    def init_with_config(self, conn_info: Any, config_3: Any) -> None:
+        self._fuse = mfusepy._libfuse.fuse_get_context().contents.fuse
+        self.started = True
+        if conn_info is not None:
+            conn_info.max_readahead = MAX_READ
+        self.prefetcher.start()
+        threading.Thread(target=self._watch, name="gpufeed-fuse-watch", daemon=True).start()
+
+    def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
+        self.calls["getattr"] += 1
+        try:
+            item = self.client.stat(self._ns(path))
+        except NamespacePathError:
+            raise mfusepy.FuseOSError(errno.ENOENT) from None
+        mtime = int(item.mtime * 1e9)
+        if item.is_dir:
+            return {"st_mode": stat.S_IFDIR | 0o555, "st_nlink": 2, "st_uid": self.uid, "st_gid": self.gid, "st_mtime": mtime}
+        self._served[path] = (item.version, item.size)
+        return {
+            "st_mode": stat.S_IFREG | 0o444,
+            "st_nlink": 1,
+            "st_size": item.size,
+            "st_blocks": (item.size + 511) // 512,
+            "st_blksize": BLKSIZE,
+            "st_uid": self.uid,
+            "st_gid": self.gid,
+            "st_mtime": mtime,
+            "st_ctime": mtime,
+        }
+
+    def readdir(self, path: str, fh: int) -> list[Any]:
+        self.calls["readdir"] += 1
+        try:
+            items = self.client.ls(self._ns(path))
+        except NamespacePathError:
+            raise mfusepy.FuseOSError(errno.ENOENT) from None
+        kinds = [(f.path.rsplit("/", 1)[1], stat.S_IFDIR if f.is_dir else stat.S_IFREG) for f in items]
+        return [".", "..", *((name, {"st_mode": mode}, 0) for name, mode in kinds)]
+
+    def open(self, path: str, fi: Any) -> int:
+        self.calls["open"] += 1
+        if fi.flags & os.O_ACCMODE != os.O_RDONLY:
+            raise mfusepy.FuseOSError(errno.EROFS)
+        try:
+            handle = self.client.handle(self._ns(path))
+        except IsADirectory:
+            raise mfusepy.FuseOSError(errno.EISDIR) from None
+        except NamespacePathError:
+            raise mfusepy.FuseOSError(errno.ENOENT) from None
+        except GpufeedError as exc:
+            self._failed("open", path, exc)
+        seen = (handle.info.version, handle.size)
+        # a changed object's old pages are dropped; a mount with the cache off keeps none
+        fi.keep_cache = int(self._served.get(path) == seen and handle.blocks is not None)
+        self._served[path] = seen
+        with self._lock:
+            self._next_fh += 1
+            fi.fh = self._next_fh
+            self._opens[fi.fh] = _Open(handle)
+        return 0
+
+    def read(self, path: str, size: int, offset: int, fh: Any) -> memoryview:
+        self.calls["read"] += 1
+        opened = self._opens[fh.fh]
+        handle = opened.handle
+        try:
+            data = self.client.read_range(handle, offset, min(offset + size, handle.size))
+        except GpufeedError as exc:
+            self._failed("read", path, exc)
+        ref = handle.blocks
+        end = offset + len(data)
+        if ref is not None and offset == opened.next and ref.blocks.count > 1:
+            self._read_ahead(opened, end // ref.block_size, ref.blocks.count)
+        opened.next = end
+        return data
+
+    def _read_ahead(self, opened: _Open, block: int, count: int) -> None:
+        """A sequential reader in block `block`: keep the READ_AHEAD_BLOCKS after it asked
+        for, asking again once fewer than half of them lie ahead."""
+        if opened.ahead >= min(count, block + 1 + READ_AHEAD_BLOCKS // 2):
+            return
+        last = min(count, block + 1 + READ_AHEAD_BLOCKS)
+        self.prefetcher.ahead.put((opened.handle, list(range(max(block + 1, opened.ahead), last))))
+        opened.ahead = last
+
+    def release(self, path: str, fh: Any) -> int:
+        self.calls["release"] += 1
+        with self._lock:
+            self._opens.pop(fh.fh, None)
+        return 0
+
+    def _failed(self, what: str, path: str, exc: GpufeedError) -> Any:
+        """EIO to the reader, and one line naming the object: the kernel retries a failed page
+        read once more on its own, so a failure already logged is not logged again."""
+        self.state.errors += 1
+        name = self._ns(path)
+        message = str(exc) if name in str(exc) else f"{name}: {exc}"
+        if message not in self._logged:
+            self._logged.add(message)
+            log.error("gpufeed fuse: %s failed, EIO: %s", what, message)
+        raise mfusepy.FuseOSError(errno.EIO) from None
+
+    def _watch(self) -> None:
+        """Every WATCH_S: write the state file, and when a mount's generation changed, tell the
+        kernel to forget what it holds of objects whose version or size changed."""
+        generations = {m.path: m.generation for m in self.client.namespace.mounts(fresh=True)}
+        self.write_state()
+        _read_ahead_kb(Path(self.state.mountpoint), MAX_READ >> 10)
+        while True:
+            time.sleep(WATCH_S)
+            self.write_state()
+            try:
+                now = {m.path: m.generation for m in self.client.namespace.mounts(fresh=True)}
+            except GpufeedError:
+                continue
+            if now != generations:
+                generations = now
+                self._invalidate()
+
+    def _invalidate(self) -> None:
+        for path, seen in list(self._served.items()):
+            try:
+                item = self.client.stat(self._ns(path))
+                current = (item.version, item.size)
+            except GpufeedError:
+                current = None
+            if current != seen:
+                self._served.pop(path, None)
+                if self._fuse is not None:
+                    mfusepy._libfuse.fuse_invalidate_path(ctypes.c_void_p(self._fuse), path.encode())
+
+    def write_state(self) -> None:
+        self.state.calls = dict(self.calls)
+        self.state.written = time.time()
+        target = state_file(self.client.settings.home, Path(self.state.mountpoint))
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            temp = target.with_suffix(f".{os.getpid()}.tmp")
+            temp.write_text(json.dumps(asdict(self.state)))
+            temp.rename(target)
+        except OSError as exc:
+            log.debug("state file not written: %s", exc)
+
+
+def _read_ahead_kb(mountpoint: Path, kib: int) -> None:
+    """Raise the mount's read-ahead window (its bdi in sysfs; the kernel starts a FUSE mount at
+    128 KiB) where this process may: as root, or never (a user's mount keeps 128 KiB reads)."""
+    try:
+        device = os.stat(mountpoint).st_dev
+        Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb").write_text(str(kib))
+    except OSError as exc:
+        log.debug("read-ahead of %s left as it is: %s", mountpoint, exc)
+
+
+class _FeedFUSE(mfusepy.FUSE):
+    """mfusepy's FUSE with a read that copies the read path's buffer (a memoryview, often of
+    a mapped block) into libfuse's once, with no bytes object in between; and with Python
+    thread states that outlive a callback."""
+
+    _kept: set[int] = set()
+
+    def _wrapper(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """ctypes gives a libfuse thread a Python thread state for one callback and drops it
+        after, and with it every threading.local: the agent connection (a handshake per
+        miss), the SQLite connection (one open per getattr), the read buffers. One extra
+        PyGILState_Ensure on a thread's first callback keeps its state for the thread's life
+        (libfuse keeps its few worker threads)."""
+        ident = threading.get_ident()
+        if ident not in self._kept:
+            self._kept.add(ident)
+            ctypes.pythonapi.PyGILState_Ensure()
+        return super()._wrapper(func, *args, **kwargs)
+
+    def read(self, path: bytes | None, buf: Any, size: int, offset: int, fip: Any) -> int:
+        data = self.operations.read(path.decode() if path else "", size, offset, fip.contents)
+        length = len(data)
+        if length:
+            ctypes.memmove(buf, np.frombuffer(data, np.uint8).ctypes.data, length)
+        return length
+
+
+mfusepy._libfuse.fuse_invalidate_path.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+
+
+def serve(mountpoint: Path, nspath: str, *, warmup: bool = True, client: Client | None = None) -> None:
+    """Mount and serve until unmounted (`gpufeed fuse stop`, fusermount3 -u) or SIGTERM/SIGINT,
+    which libfuse turns into an unmount; blocks in the foreground."""
+    client = client or Client()
+    item = client.stat(nspath)
+    if not item.is_dir:
+        raise GpufeedError(f"{nspath}: is a file; mount a directory of the namespace")
+    state = MountState(str(mountpoint), nspath, os.getpid(), time.time(), warmup)
+    operations = FeedOperations(client, nspath, state)
+    try:
+        _FeedFUSE(
+            operations,
+            str(mountpoint),
+            raw_fi=True,
+            foreground=True,
+            ro=True,
+            default_permissions=True,
+            fsname=f"gpufeed:{nspath}",
+            subtype="gpufeed",
+            entry_timeout=ATTR_TIMEOUT_S,
+            attr_timeout=ATTR_TIMEOUT_S,
+            negative_timeout=NEGATIVE_TIMEOUT_S,
+        )
+    except RuntimeError as exc:  # libfuse printed why on stderr
+        if operations.started:
+            return  # the loop ended on a signal after serving: libfuse's exit code 8 is not a failure
+        raise FuseError(f"{mountpoint}: libfuse could not mount (code {exc})") from None
+    finally:
+        state_file(client.settings.home, mountpoint).unlink(missing_ok=True)
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gpufeed.integrations.fuse MOUNTPOINT NSPATH`: the daemon `gpufeed fuse` starts."""
+    parser = argparse.ArgumentParser(prog="python -m gpufeed.integrations.fuse", description="Serve a gpufeed FUSE mount.")
+    parser.add_argument("mountpoint", type=Path)
+    parser.add_argument("nspath")
+    parser.add_argument("--no-warmup", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s fuse %(levelname)s %(message)s", force=True)
+    try:
+        serve(args.mountpoint.absolute(), args.nspath, warmup=not args.no_warmup)
+    except GpufeedError as exc:
+        print(f"gpufeed: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

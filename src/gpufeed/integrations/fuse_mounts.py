@@ -1,0 +1,232 @@
+"""The life of a `gpufeed fuse` mount: checks before mounting, the daemon started in the
+background, dead mounts cleaned, `stop` and `ls`.
+
+Kept apart from the filesystem (`integrations/fuse.py`) so the CLI can check, list and stop
+mounts without loading libfuse. A mount is found in /proc/self/mountinfo (type
+`fuse.gpufeed`); its daemon's state file (pid, callbacks, warmup) in `GPUFEED_HOME/fuse`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpufeed.config import Settings
+from gpufeed.errors import GpufeedError
+
+FUSE_DEVICE = Path("/dev/fuse")
+FSTYPE = "fuse.gpufeed"
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+
+
+class FuseError(GpufeedError):
+    """A mount that cannot be made, found or stopped; the message names the mountpoint."""
+
+    code = "fuse"
+
+
+@dataclass(frozen=True)
+class LiveMount:
+    mountpoint: Path
+    nspath: str
+    state: dict[str, object] | None
+    """The daemon's state file (pid, calls, warmup), when it wrote one."""
+
+    @property
+    def alive(self) -> bool:
+        return not is_dead(self.mountpoint)
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    for code in ("\\040", "\\011", "\\012", "\\134"):
+        field = field.replace(code, chr(int(code[1:], 8)))
+    return field
+
+
+def mounted() -> dict[Path, str]:
+    """gpufeed FUSE mounts of this mount namespace: mountpoint → namespace path."""
+    found = {}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        fstype, source = (right.split() + ["", ""])[:2]
+        if fstype == FSTYPE:
+            found[Path(_unescape(left.split()[4]))] = _unescape(source).removeprefix("gpufeed:")
+    return found
+
+
+def is_dead(mountpoint: Path) -> bool:
+    """A mount whose daemon died: the kernel answers "Transport endpoint is not connected".
+    statvfs always asks the daemon; a stat may be answered from the kernel's attribute cache."""
+    try:
+        os.statvfs(mountpoint)
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+    return False
+
+
+def fusermount() -> str:
+    found = shutil.which("fusermount3")
+    if found is None:
+        raise FuseError("fusermount3 not found: install the fuse3 package (apt-get install fuse3)")
+    return found
+
+
+def _unmount(mountpoint: Path, *, lazy: bool) -> None:
+    argv = [fusermount(), "-u", *(["-z"] if lazy else []), str(mountpoint)]
+    result = subprocess.run(argv, capture_output=True, text=True)
+    if result.returncode != 0:
+        detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
+        raise FuseError(f"{mountpoint}: cannot unmount: {detail.removeprefix('fusermount3: ')}")
+
+
+def check(settings: Settings, mountpoint: Path, device: Path = FUSE_DEVICE) -> Path:
+    """The absolute mountpoint, ready to mount on: a dead gpufeed mount there is cleaned
+    (`fusermount3 -u -z`); every other obstacle is one FuseError naming it."""
+    fusermount()
+    try:
+        fd = os.open(device, os.O_RDWR)
+        os.close(fd)
+    except FileNotFoundError:
+        raise FuseError(
+            f"{device} does not exist: load the fuse module (modprobe fuse) or run the container with --device /dev/fuse"
+        ) from None
+    except PermissionError:
+        raise FuseError(f"{device}: permission denied: add the user to the 'fuse' group or make the device readable") from None
+    mountpoint = mountpoint.expanduser().absolute()
+    if is_dead(mountpoint):
+        _unmount(mountpoint, lazy=True)
+        state_file(settings.home, mountpoint).unlink(missing_ok=True)
+    if mountpoint in mounted():
+        raise FuseError(f"{mountpoint}: a gpufeed mount is already there; stop it first with 'gpufeed fuse stop {mountpoint}'")
+    try:
+        _usable(mountpoint)
+    except PermissionError:  # a parent or the dir itself this user may not search or read
+        raise FuseError(f"{mountpoint}: {DENIED}") from None
+    return mountpoint
+
+
+DENIED = "permission denied: mount on a directory you own and can write"
+
+
+def _usable(mountpoint: Path) -> None:
+    if not mountpoint.exists():
+        raise FuseError(f"{mountpoint}: no such directory; create it first (mkdir -p {mountpoint})")
+    if not mountpoint.is_dir():
+        raise FuseError(f"{mountpoint}: not a directory")
+    if os.path.ismount(mountpoint):
+        raise FuseError(f"{mountpoint}: something else is mounted there")
+    if any(mountpoint.iterdir()):
+        raise FuseError(f"{mountpoint}: not empty; mount on an empty directory")
+    if os.getuid() != 0 and (mountpoint.stat().st_uid != os.getuid() or not os.access(mountpoint, os.W_OK)):
+        raise FuseError(f"{mountpoint}: {DENIED}")
+
+
+def _tail(log: Path) -> str:
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    said = [line for line in lines if line.startswith(("fuse:", "gpufeed: error:"))]  # libfuse's reason, or ours
+    return (said or lines or [""])[0].removeprefix("gpufeed: error: ")
+
+
+def daemon_argv(mountpoint: Path, nspath: str, warmup: bool) -> list[str]:
+    return [sys.executable, "-m", "gpufeed.integrations.fuse", str(mountpoint), nspath, *([] if warmup else ["--no-warmup"])]
+
+
+def state_file(home: Path, mountpoint: Path) -> Path:
+    """Where a mount's daemon writes its state (`gpufeed fuse ls` reads it)."""
+    return home / "fuse" / (str(mountpoint).strip("/").replace("/", "_") + ".json")
+
+
+def log_file(settings: Settings, mountpoint: Path) -> Path:
+    return state_file(settings.home, mountpoint).with_suffix(".log")
+
+
+def wait_until(done: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step)
+    return True
+
+
+def _environment(settings: Settings) -> dict[str, str]:
+    """Ours, with `settings`' home, metadata and cache dirs: the daemon serves the namespace and
+    cache its starter uses (a benchmark's private home, say), not the environment's."""
+    env = {**os.environ, "GPUFEED_HOME": str(settings.home), "GPUFEED_CACHE_DIRS": ":".join(map(str, settings.cache_dirs))}
+    if settings.meta_url:
+        env["GPUFEED_META"] = settings.meta_url
+    else:
+        env.pop("GPUFEED_META", None)
+    return env
+
+
+def start(settings: Settings, mountpoint: Path, nspath: str, *, warmup: bool) -> int:
+    """Start the daemon in the background and wait until the mount is up; returns its pid.
+    The daemon logs to GPUFEED_HOME/fuse/<mountpoint>.log."""
+    log = log_file(settings, mountpoint)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        daemon = subprocess.Popen(
+            daemon_argv(mountpoint, nspath, warmup),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            env=_environment(settings),
+        )
+    up = wait_until(lambda: mountpoint in mounted() or daemon.poll() is not None, START_TIMEOUT_S)
+    if daemon.poll() is not None:
+        raise FuseError(f"{mountpoint}: the mount failed: {_tail(log) or f'exit {daemon.returncode}'} (log: {log})")
+    if not up:
+        daemon.kill()
+        raise FuseError(f"{mountpoint}: the mount did not come up within {START_TIMEOUT_S:.0f} s (log: {log})")
+    return daemon.pid
+
+
+def state(settings: Settings, mountpoint: Path) -> dict[str, object] | None:
+    try:
+        return json.loads(state_file(settings.home, mountpoint).read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return None
+
+
+def live(settings: Settings) -> list[LiveMount]:
+    return [LiveMount(point, nspath, state(settings, point)) for point, nspath in sorted(mounted().items())]
+
+
+def stop(settings: Settings, mountpoint: Path) -> None:
+    """Unmount; the daemon's loop ends and it exits. A dead mount is cleaned lazily."""
+    mountpoint = mountpoint.expanduser().absolute()
+    if mountpoint not in mounted():
+        raise FuseError(f"{mountpoint}: no gpufeed mount there (see 'gpufeed fuse ls')")
+    found = state(settings, mountpoint)
+    _unmount(mountpoint, lazy=is_dead(mountpoint))
+    pid = found.get("pid") if found else None
+    if isinstance(pid, int):
+        wait_until(lambda: not _running(pid), STOP_TIMEOUT_S)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,293 @@
+"""`gpufeed fuse` on real mounts: libfuse3, the real agent, nginx and file:// stores; every
+reader is a separate process that knows nothing of gpufeed."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpufeed.client import Client
+from gpufeed.config import Settings
+from gpufeed.integrations import fuse_mounts
+from gpufeed.namespace import Namespace
+from tests.agent.test_agent import agent_pids, make_files, stats
+from tests.cli.test_cli import fails, ok
+from tests.conftest import HttpServer
+
+
+def until(done: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def digests(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def mountpoint(tmp_path: Path) -> Iterator[Path]:
+    """An empty dir; whatever is mounted there by the test is unmounted after it."""
+    point = tmp_path / "mnt"
+    point.mkdir()
+    yield point
+    if point in fuse_mounts.mounted():
+        subprocess.run(["fusermount3", "-u", "-z", str(point)], check=False)
+
+
+def mount(point: Path, nspath: str, *args: str) -> int:
+    """`gpufeed fuse` in the background; returns the daemon's pid."""
+    out = ok("fuse", str(point), nspath, *args)
+    assert f"mounted {nspath} at {point}" in out
+    return int(out.split("(pid ")[1].split(")")[0].split(",")[0])
+
+
+def mount_state(point: Path) -> dict:
+    state = fuse_mounts.state(Settings.from_env(), point)
+    assert state is not None
+    return state
+
+
+def test_every_file_is_byte_identical_and_ls_lR_asks_the_store_nothing(nginx: HttpServer, mountpoint: Path) -> None:
+    root = nginx.root / uuid.uuid4().hex[:8]
+    (root / "train" / "cats").mkdir(parents=True)
+    (root / "train" / "dogs").mkdir(parents=True)
+    (root / "README").write_bytes(b"readme\n")
+    (root / "empty.bin").write_bytes(b"")
+    for i in range(20):
+        (root / "train" / ("cats" if i % 2 else "dogs") / f"{i}.jpg").write_bytes(os.urandom(1000 + 997 * i))
+    (root / "big.bin").write_bytes(os.urandom(9 << 20))  # three blocks: read-ahead follows the reader
+    Namespace().add_mount("/web", f"{nginx.url}/{root.name}")
+    mount(mountpoint, "/web", "--no-warmup")
+
+    requests = len(nginx.access_log.read_text().splitlines())
+    listing = subprocess.run(["ls", "-lRn", "--time-style=+%s", str(mountpoint)], capture_output=True, text=True, check=True)
+    seen: dict[str, tuple[bool, int]] = {}
+    where = ""
+    for line in listing.stdout.splitlines():
+        if line.endswith(":"):
+            where = line[:-1].removeprefix(str(mountpoint)).lstrip("/")
+        elif line and not line.startswith("total"):
+            mode, _, _, _, size, _, name = line.split(maxsplit=6)
+            seen[f"{where}/{name}".lstrip("/")] = (mode.startswith("d"), int(size) if mode.startswith("-") else 0)
+    client = Client()
+    expected = {f.path.removeprefix("/web/"): (False, f.size) for f in client.walk("/web")}
+    expected |= {"train": (True, 0), "train/cats": (True, 0), "train/dogs": (True, 0)}
+    assert seen == expected
+    assert len(nginx.access_log.read_text().splitlines()) == requests, "ls -lR reached the store"
+
+    assert digests(mountpoint) == digests(root)
+    assert digests(mountpoint) == digests(root)  # again, from the kernel's page cache and the node cache
+
+
+def test_reads_resume_when_the_agent_is_killed(tmp_path: Path, mountpoint: Path, gpufeed_home: Path) -> None:
+    expected = make_files(tmp_path / "src", 400, 3000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    mount(mountpoint, "/data", "--no-warmup")
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import hashlib, os, sys\nfor n in sorted(os.listdir(sys.argv[1])):\n"
+         "    print(n, hashlib.sha256(open(os.path.join(sys.argv[1], n), 'rb').read()).hexdigest(), flush=True)",
+         str(mountpoint)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert reader.stdout is not None
+    seen: dict[str, str] = {}
+    killed: set[int] = set()
+    for i, line in enumerate(reader.stdout):
+        name, digest = line.split()
+        seen[name] = digest
+        if i in (50, 200):
+            for pid in agent_pids(gpufeed_home / "cache"):
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+    assert reader.wait(timeout=60) == 0
+    assert len(killed) == 2
+    assert seen == {k: hashlib.sha256(v).hexdigest() for k, v in expected.items()}
+
+
+def test_a_killed_daemon_leaves_a_dead_mount_that_the_next_mount_cleans(tmp_path: Path, mountpoint: Path) -> None:
+    make_files(tmp_path / "src", 5, 1000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    pid = mount(mountpoint, "/data", "--no-warmup")
+    os.kill(pid, signal.SIGKILL)
+    until(lambda: fuse_mounts.is_dead(mountpoint), what="the mount to die")
+    with pytest.raises(OSError) as dead:
+        os.listdir(mountpoint)
+    assert dead.value.errno == errno.ENOTCONN
+    assert "dead" in ok("fuse", "ls")
+    mount(mountpoint, "/data", "--no-warmup")
+    assert sorted(os.listdir(mountpoint)) == sorted(os.listdir(tmp_path / "src"))
+    ok("fuse", "stop", str(mountpoint))
+    assert mountpoint not in fuse_mounts.mounted()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_unmounts_a_foreground_mount(tmp_path: Path, mountpoint: Path, stop: signal.Signals) -> None:
+    make_files(tmp_path / "src", 3, 1000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    daemon = subprocess.Popen([sys.executable, "-m", "gpufeed", "fuse", str(mountpoint), "/data", "--foreground"])
+    until(lambda: mountpoint in fuse_mounts.mounted() or daemon.poll() is not None, what="the mount")
+    assert len(os.listdir(mountpoint)) == 3
+    daemon.send_signal(stop)
+    assert daemon.wait(timeout=20) == 0
+    assert mountpoint not in fuse_mounts.mounted()
+
+
+def test_an_unchanged_imagefolder_script_runs_on_the_mount(tmp_path: Path, mountpoint: Path) -> None:
+    from PIL import Image
+
+    src = tmp_path / "images"
+    for label in ("ants", "bees"):
+        (src / label).mkdir(parents=True)
+        for i in range(12):
+            Image.frombytes("RGB", (32, 32), os.urandom(32 * 32 * 3)).save(src / label / f"{i}.jpg", quality=90)
+    Namespace().add_mount("/images", f"file://{src}")
+    mount(mountpoint, "/images")
+    script = textwrap.dedent(
+        """
+        import hashlib, os, sys
+        import torch
+        from PIL import Image
+        from torch.utils.data import DataLoader, Dataset
+
+        class ImageFolder(Dataset):  # torchvision.datasets.ImageFolder's contract: class dirs of images
+            def __init__(self, root):
+                self.classes = sorted(os.listdir(root))
+                self.samples = [(os.path.join(root, c, f), n) for n, c in enumerate(self.classes)
+                                for f in sorted(os.listdir(os.path.join(root, c)))]
+            def __len__(self):
+                return len(self.samples)
+            def __getitem__(self, i):
+                path, label = self.samples[i]
+                with Image.open(path) as image:
+                    pixels = image.convert("RGB").tobytes()
+                return hashlib.sha256(pixels).hexdigest(), label
+
+        loader = DataLoader(ImageFolder(sys.argv[1]), batch_size=5, num_workers=2)
+        for digests, labels in loader:
+            for digest, label in zip(digests, labels.tolist()):
+                print(label, digest)
+        """
+    )
+    got = {subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, check=True).stdout
+           for root in (mountpoint, src)}  # fmt: skip
+    assert len(got) == 1 and len(got.pop().splitlines()) == 24
+
+
+def test_the_background_warmup_caches_the_mounted_path(tmp_path: Path, mountpoint: Path) -> None:
+    make_files(tmp_path / "src", 30, 50_000)
+    (tmp_path / "src" / "big.bin").write_bytes(os.urandom(10 << 20))
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    mount(mountpoint, "/data")
+    until(lambda: mount_state(mountpoint).get("warm_done"), what="the warmup")
+    client = Client()
+    assert all(cached == item.size for item, cached in client.cached_bytes("/data"))
+    assert "warmup done" in ok("fuse", "ls")
+
+
+def test_a_refresh_shows_the_new_bytes_and_a_store_failure_is_eio(tmp_path: Path, mountpoint: Path, gpufeed_home: Path) -> None:
+    src = tmp_path / "src"
+    make_files(src, 3, 1000)
+    Namespace().add_mount("/data", f"file://{src}")
+    mount(mountpoint, "/data", "--no-warmup")
+    first = (mountpoint / "00000.bin").read_bytes()
+    assert first == (src / "00000.bin").read_bytes()
+
+    (src / "00001.bin").write_bytes(b"changed since listing")
+    with pytest.raises(OSError) as failed:
+        (mountpoint / "00001.bin").read_bytes()
+    assert failed.value.errno == errno.EIO
+    log = fuse_mounts.log_file(Settings.from_env(), mountpoint).read_text().splitlines()
+    assert len([line for line in log if "/data/00001.bin" in line]) == 1
+
+    (src / "00000.bin").write_bytes(b"new bytes, new size")
+    ok("mount", "refresh", "/data")
+    until(lambda: (mountpoint / "00000.bin").stat().st_size == 19, what="the refresh to reach the kernel's attributes")
+    assert (mountpoint / "00000.bin").read_bytes() == b"new bytes, new size"
+    assert (mountpoint / "00001.bin").read_bytes() == b"changed since listing"
+
+
+def test_bad_input_is_one_line(tmp_path: Path, mountpoint: Path) -> None:
+    make_files(tmp_path / "src", 2, 100)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    assert "no such directory" in fails(1, "fuse", str(tmp_path / "missing"), "/data")
+    (mountpoint / "x").write_bytes(b"")
+    assert "not empty" in fails(1, "fuse", str(mountpoint), "/data")
+    (mountpoint / "x").unlink()
+    assert "is a file" in fails(2, "fuse", str(mountpoint), "/data/00000.bin")
+    assert "no mount contains" in fails(1, "fuse", str(mountpoint), "/elsewhere")
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    assert "fusermount3 not found" in fails(1, "fuse", str(mountpoint), "/data", env={"PATH": str(empty)})
+    with pytest.raises(fuse_mounts.FuseError, match="/nodev/fuse does not exist"):
+        fuse_mounts.check(Settings.from_env(), mountpoint, device=Path("/nodev/fuse"))
+    assert "no gpufeed mount there" in fails(1, "fuse", "stop", str(mountpoint))
+    # as another user (the check alone: the CLI's other imports need nothing of this test)
+    nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-c"]
+    code = textwrap.dedent(
+        """
+        import sys
+        from pathlib import Path
+        from gpufeed.config import Settings
+        from gpufeed.integrations import fuse_mounts
+        try:
+            fuse_mounts.check(Settings.from_env(), Path(sys.argv[1]))
+        except fuse_mounts.FuseError as exc:
+            print(exc)
+        """
+    )
+    refused = subprocess.run([*nobody, code, str(mountpoint)], capture_output=True, text=True, check=True)
+    assert refused.stdout.strip() == f"{mountpoint}: permission denied: mount on a directory you own and can write"
+
+
+def test_ls_lists_mounts_with_their_callbacks(tmp_path: Path, mountpoint: Path) -> None:
+    make_files(tmp_path / "src", 4, 1000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    mount(mountpoint, "/data", "--no-warmup")
+    for name in os.listdir(mountpoint):
+        (mountpoint / name).read_bytes()
+    until(lambda: mount_state(mountpoint)["calls"].get("open") == 4, what="the state file")
+    [row] = json.loads(ok("fuse", "ls", "--json"))
+    assert row["mountpoint"] == str(mountpoint) and row["nspath"] == "/data" and row["alive"]
+    assert row["calls"]["read"] == 4  # one read callback for each small file
+
+
+def test_a_sequential_reader_of_a_big_file_has_the_next_blocks_prefetched(tmp_path: Path, mountpoint: Path) -> None:
+    data = os.urandom(20 << 20)  # five 4 MiB blocks
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big.bin").write_bytes(data)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    mount(mountpoint, "/data", "--no-warmup")
+    with open(mountpoint / "big.bin", "rb") as f:
+        assert f.read(1 << 20) == data[: 1 << 20]
+        until(lambda: stats().prefetched >= 2, what="blocks 1 and 2 prefetched while block 0 is read")
+        assert f.read() == data[1 << 20 :]
+
+
+def test_bench_reads_through_a_plain_fuse_view_and_through_the_cached_mount(tmp_path: Path) -> None:
+    from gpufeed.bench.modes import MODES
+    from gpufeed.bench.runner import BenchConfig, run_bench
+    from tests.bench.helpers import dataset, tiny
+
+    work = tiny(samples=24, batch=4, compute=0.01, epochs=2, workers=2)
+    config = BenchConfig(work, dataset(tmp_path / "data", work), modes=(MODES["fuse-direct"], MODES["fuse"]), latency_ms=20)
+    plain, cached = run_bench(config).modes
+    assert [e.samples for e in plain.epochs + cached.epochs] == [24] * 4
+    assert cached.epochs[0].source_bytes == 24 * 114_660 and cached.epochs[1].source_bytes == 0
+    assert cached.epochs[1].latency_p50_ms < 20, "warm samples come from the mount's page cache"
+    assert plain.epochs[1].latency_p50_ms >= 20, "a plain view asks the store again"
+    assert not [p for p in fuse_mounts.mounted() if "gpufeed-bench-" in str(p)], "the run's mounts are gone"
