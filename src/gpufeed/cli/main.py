@@ -8,7 +8,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
-from gpufeed.cli import agent, bench, cache, demo, files, metrics, mount, top, verify, warmup
+from gpufeed.cli import agent, bench, cache, demo, files, metrics, mount, pack, top, verify, warmup
 from gpufeed.cli.console import err, out
 from gpufeed.errors import GpufeedError
 
@@ -53,6 +53,7 @@ app.add_typer(agent.app, name="agent")
 app.add_typer(cache.app, name="cache")
 app.command("warmup")(warmup.warmup)
 app.command("verify")(verify.verify)
+app.command("pack")(pack.pack)
 app.add_typer(bench.app, name="bench")
 app.command("demo")(demo.demo)
 app.command("metrics")(metrics.metrics)
