@@ -14,7 +14,7 @@ OBJECTS_DIR = f"{DIR}/objects"
 """Manifest directory of a packed mount holding one entry per shard (a pack's shard or a
 WebDataset tar): its size and version, which every member read is pinned to."""
 
-FORMATS = ("auto", "files", "gpufeed-pack", "webdataset")
+FORMATS = ("auto", "files", "gpufeed-pack", "webdataset", "mds")
 """Mount option `format`: auto finds a gpufeed pack index, else plain files."""
 
 

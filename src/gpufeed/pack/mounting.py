@@ -4,14 +4,19 @@ entry per such object recording its size and version (`layout.OBJECTS_DIR`), whi
 member read is pinned to. The read path then reads a member as a range of its shard, through
 the shard's cache blocks: nothing else reads or caches bytes.
 
-Two formats: a gpufeed pack (`gpufeed pack`; its index says where each member is) and a
+Three formats: a gpufeed pack (`gpufeed pack`; its index says where each member is); a
 WebDataset tar set read in place (each `*.tar` at the source root; where each member is comes
-from the tar headers, read once at mount time).
+from the tar headers, read once at mount time); a Mosaic MDS directory read in place
+(`index.json` and uncompressed `.mds` shards): sample n's column c is the file `{n:08d}.{c}`,
+its bytes the column's encoded bytes, located from the shard's offset table and each sample's
+size header.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import struct
 import tarfile
 from collections.abc import Iterator
 from dataclasses import replace
@@ -47,6 +52,8 @@ def listing(source: Source, fmt: str) -> Iterator[list[ObjectInfo]]:
         return _pack(source)
     if fmt == "webdataset":
         return _webdataset(source)
+    if fmt == "mds":
+        return _mds(source)
     return source.list()
 
 
@@ -85,7 +92,7 @@ def _webdataset(source: Source) -> Iterator[list[ObjectInfo]]:
     yield [_table(tar) for tar in tars]
     seen: dict[str, str] = {}
     for tar in tars:
-        batch = []
+        batch: list[ObjectInfo] = []
         for name, offset, size, mtime in tar_members(source, tar):
             if name in seen:
                 raise PackError(f"{source.url}: member {name} is in both {seen[name]} and {tar.key}")
@@ -145,3 +152,53 @@ class _Ranged(io.RawIOBase):
         target[:count] = self._window[self._pos - at : end - at]
         self._pos = end
         return count
+
+
+def _mds(source: Source) -> Iterator[list[ObjectInfo]]:
+    objects = {info.key: info for batch in source.list() for info in batch}
+    where = f"{source.url}/index.json"
+    found = objects.get("index.json")
+    if found is None:
+        raise PackError(f"{where}: no MDS index.json")
+    try:
+        shards = json.loads(bytes(source.get_range("index.json", 0, found.size, found)))["shards"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PackError(f"{where}: not an MDS index ({exc})") from None
+    tables: list[ObjectInfo] = []
+    for shard in shards:
+        if shard.get("format") != "mds" or shard.get("compression"):
+            raise PackError(f"{where}: only uncompressed MDS shards can be read in place (found {shard.get('compression')})")
+        key = shard["raw_data"]["basename"]
+        if key not in objects:
+            raise PackError(f"{source.url}/{key}: MDS shard missing")
+        tables.append(objects[key])
+    yield [_table(info) for info in tables]
+    first = 0
+    for shard, info in zip(shards, tables, strict=True):
+        yield list(_mds_samples(source, info, shard, first))
+        first += int(shard["samples"])
+
+
+def _mds_samples(source: Source, info: ObjectInfo, shard: dict, first: int) -> Iterator[ObjectInfo]:
+    """One file per column of each sample of one MDS shard: `u32 count, u32 offsets[count + 1]`,
+    then each sample, `u32 size` per variable-size column, then the columns' bytes in order."""
+    names, sizes = shard["column_names"], shard["column_sizes"]
+    variable = [n for n, size in enumerate(sizes) if size is None]
+    reader = _Ranged(source, info)
+    (count,) = struct.unpack("<I", reader.read(4))
+    if count != int(shard["samples"]) or 4 * (count + 2) > info.size:
+        raise PackError(f"{source.url}/{info.key}: MDS shard header says {count} samples, index.json {shard['samples']}")
+    offsets = struct.unpack(f"<{count + 1}I", reader.read(4 * (count + 1)))
+    for n in range(count):
+        at = offsets[n]
+        lengths = list(sizes)
+        if variable:
+            reader.seek(at)
+            for column, size in zip(variable, struct.unpack(f"<{len(variable)}I", reader.read(4 * len(variable))), strict=True):
+                lengths[column] = size
+        at += 4 * len(variable)
+        if at + sum(lengths) != offsets[n + 1]:
+            raise PackError(f"{source.url}/{info.key}: MDS sample {first + n} does not fill its offsets")
+        for name, length in zip(names, lengths, strict=True):
+            yield ObjectInfo(f"{first + n:08d}.{name}", length, info.mtime, None, None, info.key, at, length)
+            at += length
