@@ -374,6 +374,20 @@ class Client:
         got = self._direct_many({key: r for key, r in ranges.items() if r[2] > r[1]})
         return [got.get((n, 0), memoryview(b"")) for n in range(len(reads))]
 
+    def read_once(self, paths: Sequence[str]) -> list[memoryview]:
+        """Whole files for one pass over a dataset (`gpufeed pack`): a file cached in one block is
+        read from the cache, the rest straight from the store (`read_uncached`: pinned and checked
+        the same way) without caching them, so the pass neither waits for the cache to be
+        written nor evicts what the node's jobs read."""
+        handles = [self.handle(path) for path in paths]
+        out = [self._hit(handle, *handle.extent(0, handle.size)) for handle in handles]
+        missed = [n for n, data in enumerate(out) if data is None]
+        if missed:
+            got = self.read_uncached([(handles[n], 0, handles[n].size) for n in missed])
+            for n, data in zip(missed, got, strict=True):
+                out[n] = data
+        return out  # type: ignore[return-value]
+
     def _direct_many(self, ranges: dict[tuple[int, int], tuple[ObjectHandle, int, int]]) -> dict[tuple[int, int], memoryview]:
         """Source reads. A range of an object the manifest holds a content hash for is cut from
         one read of the whole object, which the source checks against the hash: its bytes are

@@ -1,7 +1,8 @@
 """`gpufeed pack`: read a namespace directory through the read path, write shards and an index.
 
-Why this shape: packing is one more reader (members come through `Client.read_files`, batched,
-cached and checked like any read) and one more writer of a store (`Source.put`). It is
+Why this shape: packing is one more reader (members come through `Client.read_once`, batched,
+pinned and checked like any read; cached files from the cache, the rest from the store without
+filling the cache with files that will be read through the pack from now on) and one more writer of a store (`Source.put`). It is
 resumable because the plan is a pure function of the input (`pack.plan`): a shard's key names
 its exact contents, a finished shard is published whole by one PUT followed by its digests
 (`<shard>.sha256`), and a rerun keeps every shard whose key and size match. The index is
@@ -207,7 +208,7 @@ def _write(client: Client, dest: Source, shard: Shard, items: list[Item], paths:
     buffer = bytearray(shard.size)
     sums: list[bytes] = []
     for batch in _batches(shard, items):
-        views = client.read_files([paths[n] for n, _ in batch])
+        views = client.read_once([paths[n] for n, _ in batch])
         for (n, offset), view in zip(batch, views, strict=True):
             if len(view) != items[n].size:
                 listed = items[n].size
