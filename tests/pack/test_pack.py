@@ -4,6 +4,7 @@ through fsspec. Real moto S3 server, real `gpufeed` processes for the CLI contra
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
 import random
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import fsspec
 
@@ -172,3 +174,32 @@ def test_manifest_rows_carry_pack_membership(bucket: Bucket, tmp_path: Path, dat
     assert gpufeed.read("/p/train/cats/1.jpg") == bytes([1]) * 1001
     assert gpufeed.read("/p/empty.bin") == b""
     assert gpufeed.stat("/p/README").size == 7
+
+
+def _read_in_child(paths: list[str], out: Any) -> None:
+    out.put([hashlib.sha256(v).hexdigest() for v in gpufeed.client().read_files(paths)])
+
+
+def test_forked_worker_reads_a_sparse_batch_of_members(bucket: Bucket) -> None:
+    """A DataLoader worker forked from a process that used obstore reads random members of
+    different shard blocks (a batch the parent would read around) through the agent."""
+    rng = random.Random(5)
+    raw = {f"f/{n:03d}.bin": rng.randbytes(50_000) for n in range(200)}
+    for key, data in raw.items():
+        bucket.put(f"raw/{key}", data)
+    ns = Namespace()
+    ns.add_mount("/raw", f"{bucket.url}/raw", {"endpoint": bucket.endpoint})
+    ok("pack", "/raw", f"{bucket.url}/p", "--shard-size", "8MiB", *opts(bucket))
+    ns.add_mount("/p", f"{bucket.url}/p", {"endpoint": bucket.endpoint})
+    keys = ["f/000.bin", "f/090.bin", "f/180.bin"]  # one in each 4 MiB block
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_read_in_child, args=([f"/p/{k}" for k in keys], results))
+    child.start()
+    try:
+        got = results.get(timeout=60)
+    finally:
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+    assert got == [sha(raw[k]) for k in keys]

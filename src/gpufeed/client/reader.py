@@ -54,6 +54,20 @@ it would take that bandwidth from the blocks, and the cache would never warm."""
 READ_AROUND_MEMORY = 65536
 """Blocks a client remembers having read around."""
 
+_forked = False
+"""True in a forked child (a DataLoader worker). obstore's runtime does not survive a fork: a
+network call made in the child of a process that used obstore never completes (measured with
+obstore 0.12, sync and async alike). Such a process never reads around: it waits for the
+agent, a process of its own, which fetches the blocks."""
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 @dataclass(frozen=True, slots=True)
 class ObjectHandle:
@@ -326,6 +340,8 @@ class Client:
         `plan.SPARSE_FACTOR`), after asking the agent to cache them; the rest it waits for. A block
         is read around for READ_AROUND_S after this process first did so; later reads of it
         wait for the agent."""
+        if _forked:
+            return set()
         now = time.monotonic()
         since = self._read_around_since
         fresh = {
