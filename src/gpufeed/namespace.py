@@ -112,6 +112,11 @@ class CachePolicy:
         return cls(cache == "on", block_size, verify)
 
 
+def packed(mount: Mount) -> bool:
+    """Whether the mount shows pack members (its reserved pack directory is then hidden)."""
+    return mount.options.get("format", "files") != "files"
+
+
 def source_options(mount: Mount) -> dict[str, str]:
     return {k: v for k, v in mount.options.items() if k not in CACHE_OPTIONS}
 
@@ -354,7 +359,8 @@ class Namespace:
         if not entries and (switched := self._switched(where)) is not None:
             entries = self.engine.listdir(switched.mount.generation, where.key)
         prefix = base + "/"
-        return [FileStat.of(prefix + e.name, e) for e in entries if where.key or e.name != PACK_DIR]
+        hide = PACK_DIR if where.key == "" and packed(where.mount) else None
+        return [FileStat.of(prefix + e.name, e) for e in entries if e.name != hide]
 
     def walk(self, path: str) -> Iterator[FileStat]:
         """Every file under `path` (or `path` itself when it is a file)."""
@@ -371,8 +377,9 @@ class Namespace:
             if not entry.is_dir:
                 yield FileStat.of(path, entry)
                 return
+        hide = packed(where.mount)
         for e in self.engine.walk(where.mount.generation, where.key):
-            if not hidden(e.parent):
+            if not (hide and hidden(e.parent)):
                 yield FileStat.of(f"{where.mount.path}/{e.key}", e)
 
     def open_object(self, path: str) -> tuple[Resolved, Source, ObjectInfo]:
