@@ -174,6 +174,8 @@ def test_manifest_rows_carry_pack_membership(bucket: Bucket, tmp_path: Path, dat
     assert gpufeed.read("/p/train/cats/1.jpg") == bytes([1]) * 1001
     assert gpufeed.read("/p/empty.bin") == b""
     assert gpufeed.stat("/p/README").size == 7
+    ns.add_mount("/as-files", f"file://{tmp_path}/p", {"format": "files"})
+    assert [f.path for f in ns.ls("/as-files")] == [f"/as-files/{DIR}"], "a raw view shows the pack itself"
 
 
 def _read_in_child(paths: list[str], out: Any) -> None:
