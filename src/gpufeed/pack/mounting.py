@@ -34,11 +34,15 @@ read, a big member's data is skipped."""
 
 def detect(source: Source, requested: str) -> str:
     """The format to mount `source` as: `requested`, or for auto a gpufeed pack when the source
-    holds a pack index, else plain files."""
+    holds a pack index (one HEAD), else plain files. HTTP sources are not probed: their listing
+    promises no request per mount (a `KEY SIZE` list), so a pack over HTTP is mounted with
+    `format=gpufeed-pack`."""
     if requested not in FORMATS:
         raise InvalidArgument(f"option format={requested!r}: expected one of {', '.join(FORMATS)}")
     if requested != "auto":
         return requested
+    if source.url.startswith(("http://", "https://")):
+        return "files"
     try:
         source.head(INDEX_KEY)
     except ObjectMissing:
