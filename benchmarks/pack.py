@@ -20,6 +20,14 @@ mount is read for the first time in its epoch 1 (cold: its blocks or shards were
 packing read the local copy, whose blocks are another source's). Printed per epoch: samples/s,
 accelerator busy, ratio to local disk, and the GET requests the store server logged.
 
+Needs LitData and Mosaic Streaming beside the pinned CPU torch 2.13, installed without their
+dependencies (which would replace torch and pull torchvision, cloud SDKs and more), so they are
+deliberately not in the project's extras:
+
+    pip install --no-deps litdata==0.2.76 mosaicml-streaming==0.13.0 transformers==4.57.6 \
+        huggingface_hub==0.36.2 tokenizers==0.22.2 safetensors==0.8.0 lightning-utilities tifffile \
+        catalogue zstd brotli python-snappy cramjam tqdm
+
 Also: how long a 1,000,000-member pack index takes to decode. And checked, not timed: every
 member of the pack and of Mosaic's MDS copy mounted in place by gpufeed reads back
 byte-identical to its file.
