@@ -17,6 +17,7 @@ from typing import Any
 import fsspec
 
 import gpufeed
+from gpufeed.client import Client
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
 from gpufeed.meta.base import Entry
@@ -205,3 +206,24 @@ def test_forked_worker_reads_a_sparse_batch_of_members(bucket: Bucket) -> None:
         if child.is_alive():
             child.kill()
     assert got == [sha(raw[k]) for k in keys]
+
+
+def test_repack_after_a_change_and_refresh_the_packed_mount(bucket: Bucket, tmp_path: Path) -> None:
+    """A changed file: the rerun rewrites only the shard holding it, and a refresh of the packed
+    mount serves the new bytes."""
+    (tmp_path / "src").mkdir()
+    for n in range(20):
+        (tmp_path / "src" / f"{n:02d}.bin").write_bytes(bytes([n]) * 3000)
+    ns = Namespace()
+    ns.add_mount("/src", f"file://{tmp_path / 'src'}")
+    dest = f"{bucket.url}/p"
+    ok("pack", "/src", dest, "--shard-size", "8KiB", *opts(bucket))
+    ns.add_mount("/p", dest, {"endpoint": bucket.endpoint})
+    assert gpufeed.read("/p/05.bin") == bytes([5]) * 3000
+    (tmp_path / "src" / "05.bin").write_bytes(b"new" * 1000)
+    ns.refresh("/src")
+    out = ok("pack", "/src", dest, "--shard-size", "8KiB", "--json", *opts(bucket))
+    assert '"written": 1' in out and '"kept": 9' in out, out
+    ns.refresh("/p")
+    assert Client().read("/p/05.bin") == b"new" * 1000
+    assert Client().read("/p/06.bin") == bytes([6]) * 3000
