@@ -21,7 +21,7 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import replace
 
-from gpufeed.errors import InvalidArgument, ObjectMissing, PackError
+from gpufeed.errors import InvalidArgument, PackError, SourceError
 from gpufeed.pack import index as idx
 from gpufeed.pack.layout import DIR, FORMATS, INDEX_KEY, object_entry
 from gpufeed.sources.base import ObjectInfo, Source
@@ -45,7 +45,7 @@ def detect(source: Source, requested: str) -> str:
         return "files"
     try:
         source.head(INDEX_KEY)
-    except ObjectMissing:
+    except SourceError:  # missing, or a store that refuses: its listing then says why, better than a HEAD can
         return "files"
     return "gpufeed-pack"
 
