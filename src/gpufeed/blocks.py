@@ -102,6 +102,11 @@ class ObjectBlocks:
         return range(start // self.block_size, (end - 1) // self.block_size + 1) if end > start else range(0)
 
 
+def overlap(block_size: int, index: int, lo: int, hi: int) -> int:
+    """Bytes of [lo, hi) in block `index`."""
+    return max(0, min(hi, (index + 1) * block_size) - max(lo, index * block_size))
+
+
 def source_identity(url: str, options: dict[str, str]) -> str:
     """What names a source in block identities: its URL and, for S3-compatible stores, the endpoint."""
     return f"{url}|{options.get('endpoint', '')}"

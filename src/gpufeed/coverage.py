@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpufeed.blocks import object_blocks
+from gpufeed.blocks import object_blocks, overlap
 from gpufeed.cache.layout import block_path
 from gpufeed.config import Settings
 from gpufeed.namespace import CachePolicy, FileStat, Namespace, source_options
@@ -24,10 +24,16 @@ def cached_bytes(namespace: Namespace, settings: Settings, dirs: tuple[Path, ...
             yield item, 0
             continue
         mount = where.mount
-        assert item.info is not None
-        blocks = object_blocks(mount.url, source_options(mount), item.info, policy.block_size, not mount.immutable)
-        present = (i for i in range(blocks.count) if os.path.exists(block_path(dirs, blocks.block(i))))
-        yield item, sum(blocks.length(i) for i in present)
+        info = item.info
+        assert info is not None
+        lo, hi = 0, info.size
+        if info.pack_key is not None:  # a pack member: the part of its shard's blocks it lies in
+            lo = info.pack_offset or 0
+            hi = lo + info.size
+            info = namespace.container(where, info)
+        blocks = object_blocks(mount.url, source_options(mount), info, policy.block_size, not mount.immutable)
+        present = (i for i in blocks.span(lo, hi) if os.path.exists(block_path(dirs, blocks.block(i))))
+        yield item, sum(overlap(blocks.block_size, i, lo, hi) for i in present)
 
 
 def mount_coverage(namespace: Namespace, settings: Settings, dirs: tuple[Path, ...]) -> dict[str, tuple[int, int]]:

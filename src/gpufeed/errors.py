@@ -86,6 +86,12 @@ class ObjectCorrupted(SourceError):
     code = "object_corrupted"
 
 
+class PackError(GpufeedError):
+    """A pack that cannot be written or read: an empty input, a corrupt or incomplete index."""
+
+    code = "pack"
+
+
 def _codes(cls: type[GpufeedError]) -> dict[str, type[GpufeedError]]:
     """Code → the class that defines it: a subclass that only inherits its parent's code (the
     torch index's IndexOutOfRange, an InvalidArgument) never takes the code over."""

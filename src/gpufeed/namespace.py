@@ -26,12 +26,15 @@ from gpufeed.errors import (
     MountNotFound,
     ObjectChanged,
     ObjectMissing,
+    PackError,
     PathNotFound,
 )
 from gpufeed.meta import MetaEngine, Mount, open_engine
 from gpufeed.meta.base import Entry
 from gpufeed.meta.checksums import parse_checksums
 from gpufeed.meta.manifest import ManifestStats, write_manifest
+from gpufeed.pack.layout import DIR as PACK_DIR
+from gpufeed.pack.layout import hidden, object_entry
 from gpufeed.sources import Source, open_source
 from gpufeed.sources.base import ObjectInfo, same_version
 
@@ -83,8 +86,9 @@ class Resolved:
         return parent, name
 
 
-CACHE_OPTIONS = ("cache", "block_size", "verify")
-"""Mount options the read path consumes; every other option belongs to the source."""
+CACHE_OPTIONS = ("cache", "block_size", "verify", "format")
+"""Mount options the read path consumes (`format`: how the source's objects become files, see
+`pack.layout.FORMATS`); every other option belongs to the source."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +110,11 @@ class CachePolicy:
             raise InvalidArgument(f"{mount.path}: block_size {block_size} must be between 4KiB and 1GiB")
         verify = parse_verify(options["verify"], "option verify") if "verify" in options else settings.verify
         return cls(cache == "on", block_size, verify)
+
+
+def packed(mount: Mount) -> bool:
+    """Whether the mount shows pack members (its reserved pack directory is then hidden)."""
+    return mount.options.get("format", "files") != "files"
 
 
 def source_options(mount: Mount) -> dict[str, str]:
@@ -225,7 +234,12 @@ class Namespace:
         CachePolicy.of(mount, self.settings)
         hashes = parse_checksums(checksums) if checksums is not None else None
         source = open_source(url, source_options(mount), self.settings)
-        cache_options = {k: v for k, v in mount.options.items() if k in CACHE_OPTIONS}
+        from gpufeed.pack import mounting
+
+        fmt = mounting.detect(source, mount.options.get("format", "auto"))
+        cache_options = {k: v for k, v in mount.options.items() if k in CACHE_OPTIONS and k != "format"}
+        if fmt != "files":
+            cache_options["format"] = fmt
         mount = replace(mount, options={**source.options, **cache_options})
 
         def refuse_empty(stats: ManifestStats) -> None:
@@ -235,14 +249,23 @@ class Namespace:
                 raise MountError(f"{url}: no objects under this prefix{hint} (--allow-empty mounts it anyway)")
 
         self._forget_mounts()
-        return write_manifest(self.engine, mount, source, create=True, hashes=hashes, check=refuse_empty, progress=listed)
+        return write_manifest(
+            self.engine, mount, source, create=True, hashes=hashes, check=refuse_empty, progress=listed,
+            listing=mounting.listing(source, fmt),
+        )
 
     def refresh(self, path: str, listed: Callable[[ManifestStats], None] | None = None) -> tuple[Mount, ManifestStats]:
         mount = self.mount(path)
         self.engine.check_writable()
         self._forget_mounts()
+        from gpufeed.pack import mounting
+
+        source = self.source(mount)
         try:
-            return write_manifest(self.engine, mount, self.source(mount), create=False, progress=listed)
+            return write_manifest(
+                self.engine, mount, source, create=False, progress=listed,
+                listing=mounting.listing(source, mount.options.get("format", "files")),
+            )
         finally:
             self._forget_mounts()  # a reader in another thread may have cached the old table meanwhile
 
@@ -336,7 +359,8 @@ class Namespace:
         if not entries and (switched := self._switched(where)) is not None:
             entries = self.engine.listdir(switched.mount.generation, where.key)
         prefix = base + "/"
-        return [FileStat.of(prefix + e.name, e) for e in entries]
+        hide = PACK_DIR if where.key == "" and packed(where.mount) else None
+        return [FileStat.of(prefix + e.name, e) for e in entries if e.name != hide]
 
     def walk(self, path: str) -> Iterator[FileStat]:
         """Every file under `path` (or `path` itself when it is a file)."""
@@ -353,8 +377,10 @@ class Namespace:
             if not entry.is_dir:
                 yield FileStat.of(path, entry)
                 return
+        hide = packed(where.mount)
         for e in self.engine.walk(where.mount.generation, where.key):
-            yield FileStat.of(f"{where.mount.path}/{e.key}", e)
+            if not (hide and hidden(e.parent)):
+                yield FileStat.of(f"{where.mount.path}/{e.key}", e)
 
     def open_object(self, path: str) -> tuple[Resolved, Source, ObjectInfo]:
         """Pin the version every read of one handle uses, so blocks of two versions never mix.
@@ -373,6 +399,8 @@ class Namespace:
         if entry.is_dir:
             raise IsADirectory(f"{path}: is a directory")
         mount, source, info = where.mount, self.source(where.mount), entry.object_info()
+        if info.pack_key is not None:
+            return where, source, info  # read as a range of its shard, pinned to the shard's listed version
         stale = mount.max_age is not None and time.time() - mount.listed_at > mount.max_age
         unpinned = not mount.immutable and info.etag is None and info.mtime <= 0
         if not (stale or unpinned):
@@ -394,6 +422,19 @@ class Namespace:
         except MetadataError:
             pass  # a read-only or full GPUFEED_HOME: this handle is pinned all the same; the next open pins again
         return where, source, pinned.object_info()
+
+    def container(self, where: Resolved, member: ObjectInfo) -> ObjectInfo:
+        """The object a pack member's bytes lie in (its shard), as the mount listed it: every
+        read of the member is a range of it, pinned to that version."""
+        assert member.pack_key is not None
+        parent, name = object_entry(member.pack_key)
+        entry = self.engine.lookup(where.mount.generation, parent, name)
+        if entry is None:
+            raise PackError(
+                f"{where.mount.path}/{member.key}: its shard {member.pack_key} is not in the manifest; "
+                f"run 'gpufeed mount refresh {where.mount.path}'"
+            )
+        return replace(entry.object_info(), key=member.pack_key)
 
 
 def _since_listed(path: str, what: str, mount: Mount, detail: str) -> str:

@@ -80,8 +80,9 @@ class Prefetcher:
         end = handle.size if read.end is None else min(read.end, handle.size)
         if handle.blocks is None or end <= read.start:
             return handle, [], 0
+        start, end = handle.extent(read.start, end)  # a pack member's blocks are its shard's
         size = handle.blocks.block_size
-        return handle, list(range(read.start // size, (end - 1) // size + 1)), end - read.start
+        return handle, list(range(start // size, (end - 1) // size + 1)), end - start
 
     def _sender(self) -> None:
         """Background thread: send each batch of wanted blocks to the agent, in order. Blocks

@@ -129,7 +129,7 @@ def verify(client: Client, target: Listed, progress: Callable[[Verified], None] 
             done.files += 1
             progress(done)
             return
-        check(item, hasher.hexdigest(), handle.info)
+        check(item, hasher.hexdigest(), handle.listed)
 
     def batch(items: list[FileStat]) -> None:
         handles = [client.handle(item.path) for item in items]
@@ -144,7 +144,7 @@ def verify(client: Client, target: Listed, progress: Callable[[Verified], None] 
                 one(items[n])
         views.update(zip(unhashed, client.read_uncached([(handles[n], 0, handles[n].size) for n in unhashed]), strict=True))
         for n, view in views.items():
-            check(items[n], hashlib.new(_algorithm(items[n]), view).hexdigest(), handles[n].info)
+            check(items[n], hashlib.new(_algorithm(items[n]), view).hexdigest(), handles[n].listed)
 
     small: list[FileStat] = []
     small_bytes = 0

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from gpufeed import arguments, coverage
 from gpufeed.aio import run_blocking
-from gpufeed.blocks import WHOLE_OBJECT_MAX, CorruptBlock, object_blocks
+from gpufeed.blocks import WHOLE_OBJECT_MAX, CorruptBlock, object_blocks, overlap
 from gpufeed.cache import blockfile, openfiles
 from gpufeed.cache.layout import BlockRef
 from gpufeed.cache.openfiles import OpenBlocks
@@ -54,23 +54,60 @@ it would take that bandwidth from the blocks, and the cache would never warm."""
 READ_AROUND_MEMORY = 65536
 """Blocks a client remembers having read around."""
 
+_forked = False
+"""True in a forked child (a DataLoader worker). obstore's runtime does not survive a fork: a
+network call made in the child of a process that used obstore never completes (measured with
+obstore 0.12, sync and async alike). Such a process never reads around: it waits for the
+agent, a process of its own, which fetches the blocks."""
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 @dataclass(frozen=True, slots=True)
 class ObjectHandle:
     """One object at one version: every read through a handle sees the same bytes.
-    `blocks` is None when the mount does not cache (or no agent could be had)."""
+    `blocks` is None when the mount does not cache (or no agent could be had).
+
+    A pack member (a file stored as a range of a shard) is a window of its shard: `info` and
+    `blocks` are the shard's, `member` is the file as listed, and the public reads translate
+    the file's offsets to the shard's (`extent`), so everything below reads, caches and
+    prefetches shard blocks."""
 
     path: str
     mount: Mount
     source: Source
     info: ObjectInfo
+    """The object read from the store: the file, or the shard a pack member lies in."""
     tally: Tally
     """Its mount's hits and stalls in this process, reported to the agent with the hits."""
     blocks: BlockRef | None = None
+    member: ObjectInfo | None = None
 
     @property
     def size(self) -> int:
-        return self.info.size
+        """The size of the file the path names."""
+        return self.info.size if self.member is None else self.member.size
+
+    @property
+    def listed(self) -> ObjectInfo:
+        """The file as the manifest lists it (its own size, mtime and content hash)."""
+        return self.info if self.member is None else self.member
+
+    def extent(self, start: int, end: int) -> tuple[int, int]:
+        """Bytes [start, end) of the file as offsets in the object read: unchanged for a file
+        of its own, clipped to the member and moved to its place in the shard for a member."""
+        member = self.member
+        if member is None:
+            return start, end
+        base = member.pack_offset or 0
+        start = min(start, member.size)
+        return base + start, base + max(start, min(end, member.size))
 
 
 class Client:
@@ -128,6 +165,9 @@ class Client:
         if known is not None and self._generations().get(known.mount.path) == known.mount.generation:
             return known
         where, source, info = self.namespace.open_object(path)
+        member = None
+        if info.pack_key is not None:
+            member, info = info, self.namespace.container(where, info)
         mount = where.mount
         policy = CachePolicy.of(mount, self.settings)
         blocks = None
@@ -135,7 +175,7 @@ class Client:
             identity = object_blocks(mount.url, source_options(mount), info, policy.block_size, not mount.immutable)
             assert self._files is not None
             blocks = BlockRef.of(dirs, identity, policy.verify, self._files)
-        handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, self.hits.tally(mount.path), blocks)
+        handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, self.hits.tally(mount.path), blocks, member)
         if mount.max_age is None and (blocks is not None or not policy.enabled or info.size == 0):
             with self._lock:
                 if len(self._handles) >= HANDLE_CACHE:
@@ -179,6 +219,8 @@ class Client:
 
     def read_range(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
         """Bytes [start, end) of the pinned version, clipped to the object's size."""
+        if handle.member is not None:
+            start, end = handle.extent(start, end)
         data = self._hit(handle, start, end)
         return data if data is not None else self._read_misses([(handle, start, end)])[0]
 
@@ -186,6 +228,8 @@ class Client:
         """`read_range` for a batch (a DataLoader batch, say): hits are read here and the
         batch's misses are fetched together, so a batch waits about one fetch, not one per
         sample."""
+        if any(handle.member is not None for handle, _, _ in reads):
+            reads = [(handle, *handle.extent(start, end)) for handle, start, end in reads]
         hit = self._hit
         out = [hit(handle, start, end) for handle, start, end in reads]
         missed = [n for n, data in enumerate(out) if data is None]
@@ -237,7 +281,7 @@ class Client:
         absent: dict[tuple[int, int], tuple[int, int]] = {}  # (read, block) -> object range
         blocks: dict[str, tuple[ObjectHandle, dict[int, None], list[int]]] = {}
         for n, (handle, start, end) in enumerate(reads):
-            end = min(end, handle.size)
+            end = min(end, handle.info.size)
             ref = handle.blocks
             if ref is None:
                 if end > start:
@@ -296,6 +340,8 @@ class Client:
         `plan.SPARSE_FACTOR`), after asking the agent to cache them; the rest it waits for. A block
         is read around for READ_AROUND_S after this process first did so; later reads of it
         wait for the agent."""
+        if _forked:
+            return set()
         now = time.monotonic()
         since = self._read_around_since
         fresh = {
@@ -326,7 +372,7 @@ class Client:
 
     @staticmethod
     def _joined(pieces: dict[tuple[int, int], memoryview], n: int, handle: ObjectHandle, start: int, end: int) -> memoryview:
-        end = min(end, handle.size)
+        end = min(end, handle.info.size)
         if end <= start:
             return memoryview(b"")
         if handle.blocks is None:
@@ -337,9 +383,26 @@ class Client:
         """Bytes straight from the store, never from the cache, pinned to each handle's version
         and checked as the store and the manifest allow: what `gpufeed verify` hashes when it
         records what the store holds."""
-        ranges = {(n, 0): (handle, start, min(end, handle.size)) for n, (handle, start, end) in enumerate(reads)}
+        ranges = {}
+        for n, (handle, start, end) in enumerate(reads):
+            start, end = handle.extent(start, end)
+            ranges[(n, 0)] = (handle, start, min(end, handle.info.size))
         got = self._direct_many({key: r for key, r in ranges.items() if r[2] > r[1]})
         return [got.get((n, 0), memoryview(b"")) for n in range(len(reads))]
+
+    def read_once(self, paths: Sequence[str]) -> list[memoryview]:
+        """Whole files for one pass over a dataset (`gpufeed pack`): a file cached in one block is
+        read from the cache, the rest straight from the store (`read_uncached`: pinned and checked
+        the same way) without caching them, so the pass neither waits for the cache to be
+        written nor evicts what the node's jobs read."""
+        handles = [self.handle(path) for path in paths]
+        out = [self._hit(handle, *handle.extent(0, handle.size)) for handle in handles]
+        missed = [n for n, data in enumerate(out) if data is None]
+        if missed:
+            got = self.read_uncached([(handles[n], 0, handles[n].size) for n in missed])
+            for n, data in zip(missed, got, strict=True):
+                out[n] = data
+        return out  # type: ignore[return-value]
 
     def _direct_many(self, ranges: dict[tuple[int, int], tuple[ObjectHandle, int, int]]) -> dict[tuple[int, int], memoryview]:
         """Source reads. A range of an object the manifest holds a content hash for is cut from
@@ -348,9 +411,9 @@ class Client:
         reads: dict[object, tuple[ObjectHandle, int, int]] = {}
         cuts: dict[tuple[int, int], tuple[object, int, int]] = {}
         for key, (handle, start, end) in ranges.items():
-            if handle.info.content_hash and handle.size <= WHOLE_OBJECT_MAX:
+            if handle.info.content_hash and handle.info.size <= WHOLE_OBJECT_MAX:
                 whole = (handle.path, handle.info.version)
-                reads.setdefault(whole, (handle, 0, handle.size))
+                reads.setdefault(whole, (handle, 0, handle.info.size))
                 cuts[key] = (whole, start, end)
             else:
                 reads[key] = (handle, start, end)
@@ -467,14 +530,14 @@ class Client:
         ref = handle.blocks
         if ref is None:
             return 0
-        count = -(-handle.size // ref.block_size)
-        missing = [i for i in range(count) if not os.path.exists(ref.path(i))]
+        lo, hi = handle.extent(0, handle.size)
+        missing = [i for i in ref.blocks.span(lo, hi) if not os.path.exists(ref.path(i))]
         for first in range(0, len(missing), WARM_STEP):
             part = missing[first : first + WARM_STEP]
             self._fetch([(handle, part, [])])
             if fetched is not None:
-                fetched(sum(ref.length(i) for i in part))
-        return handle.size - sum(ref.length(i) for i in missing)
+                fetched(sum(overlap(ref.block_size, i, lo, hi) for i in part))
+        return handle.size - sum(overlap(ref.block_size, i, lo, hi) for i in missing)
 
     def cached_bytes(self, path: str) -> Iterator[tuple[FileStat, int]]:
         """(file, bytes of it present in the cache) for every file under `path`; reads no data."""
@@ -528,3 +591,4 @@ class Client:
 
     def walk(self, path: str | os.PathLike[str]) -> Iterator[FileStat]:
         return self.namespace.walk(arguments.path(path, "walk"))
+

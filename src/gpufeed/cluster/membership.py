@@ -7,7 +7,9 @@ Keys under `prefix` (default `gpufeed:cluster`):
   version        counts joins and clean leaves
 A heartbeat writes three keys and reads two numbers, (version, live count); only when they
 change (a join, a leave, a heartbeat gone stale) does the node read the member list, so Redis's
-work grows with the cluster's churn, not with nodes times nodes (docs/CLUSTER.md). A node whose heartbeat is older than `ttl` seconds is not a member; times come from Redis's
+work grows with the cluster's churn, not with nodes times nodes (docs/CLUSTER.md).
+
+A node whose heartbeat is older than TTL_S seconds is not a member; times come from Redis's
 clock, so nodes' clocks need not agree. A node leaving cleanly removes itself at once.
 """
 

@@ -108,15 +108,17 @@ def write_manifest(
     hashes: dict[str, str] | None = None,
     check: Callable[[ManifestStats], None] | None = None,
     progress: Callable[[ManifestStats], None] | None = None,
+    listing: Iterable[list[ObjectInfo]] | None = None,
 ) -> tuple[Mount, ManifestStats]:
     """List `source` into a new generation and switch `mount` to it; the old one is dropped after.
     `hashes` (key -> "sha256:<hex>"…) go into the entries they name; `check` may refuse the
     listing (raise) before anything is recorded; `progress` hears the counts after every batch
-    written, so a listing of millions of objects shows progress."""
+    written, so a listing of millions of objects shows progress. `listing` replaces the
+    source's own (a packed source lists its members: `pack.mounting`)."""
     stats = ManifestStats()
     generation = engine.new_generation()
     try:
-        for entries in entries_from_listing(source.list(), stats, hashes):
+        for entries in entries_from_listing(source.list() if listing is None else listing, stats, hashes):
             engine.put_entries(generation, entries)
             if progress is not None:
                 progress(stats)

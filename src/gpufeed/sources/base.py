@@ -1,4 +1,4 @@
-"""The one small protocol every store implements: list, head, ranged get."""
+"""The one small protocol every store implements: list, head, ranged get, and put for writers (pack)."""
 
 from __future__ import annotations
 
@@ -92,6 +92,11 @@ class Source(Protocol):
         self, key: str, start: int, end: int, expect: ObjectInfo | None = None, *, conditional: bool = True
     ) -> memoryview:
         """`get_range` for the agent's event loop; the I/O runs without the GIL."""
+        ...
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
+        """Write one whole object atomically (readers see the old object or the new one, never
+        a part) and return it as the store now reports it; SourceError when the store refuses."""
         ...
 
 

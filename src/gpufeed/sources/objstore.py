@@ -195,6 +195,19 @@ class ObstoreSource:
 
         return await retry.call_async(self.retry, attempt)
 
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
+        """One PUT (S3, GCS and Azure make it visible whole; a local store writes a temp file and
+        renames it), retried like reads; then the object as a HEAD reports it."""
+
+        def attempt() -> None:
+            try:
+                obstore.put(self.store, key, memoryview(data), mode="overwrite")
+            except (obx.BaseError, OSError) as exc:
+                raise self.failure(exc, key) from exc
+
+        retry.call(self.retry, attempt)
+        return self.head(key)
+
     @staticmethod
     def _get_options(start: int, end: int, expect: ObjectInfo | None, conditional: bool) -> GetOptions:
         options: GetOptions = {"range": (start, end)}

@@ -1,0 +1,282 @@
+"""Packing small files, and training from the pack: gpufeed against LitData and Mosaic, same run.
+
+    python benchmarks/pack.py [--files 3000] [--size 113000] [--small-files 100000] [--small-size 10000]
+                              [--workers 2] [--batch 32] [--epochs 2] [--latency-ms 20] [--shard-mib 64]
+
+Part 1, packing time, local disk to local disk, for each data set (the JPEG set and the small
+files), every packer reading the same files (in the page cache for all of them) and writing
+shards of --shard-mib:
+- gpufeed pack: mount the directory (file://, listed into the manifest: timed) and pack it,
+  --workers workers; the node agent is running already, the mount was never read;
+- LitData optimize(fn=read the file, num_workers=--workers);
+- Mosaic MDSWriter (one process: it has no workers), columns {name: str, data: bytes}.
+Printed: seconds, files/s, and each one's speed relative to LitData's.
+
+Part 2, training from S3 (moto, behind the project's 20 ms latency shaper), the JPEG set, the
+epochs.py loop (PIL decode in --workers DataLoader workers, an accelerator step calibrated to
+keep it --busy on local disk): local disk; gpufeed over the raw files; gpufeed over the pack
+(uploaded next to them); Mosaic StreamingDataset over its own MDS copy. Each gpufeed and Mosaic
+mount is read for the first time in its epoch 1 (cold: its blocks or shards were never fetched;
+packing read the local copy, whose blocks are another source's). Printed per epoch: samples/s,
+accelerator busy, ratio to local disk, and the GET requests the store server logged.
+
+Needs LitData and Mosaic Streaming beside the pinned CPU torch 2.13, installed without their
+dependencies (which would replace torch and pull torchvision, cloud SDKs and more), so they are
+deliberately not in the project's extras:
+
+    pip install --no-deps litdata==0.2.76 mosaicml-streaming==0.13.0 transformers==4.57.6 \
+        huggingface_hub==0.36.2 tokenizers==0.22.2 safetensors==0.8.0 lightning-utilities tifffile \
+        catalogue zstd brotli python-snappy cramjam tqdm
+
+Also: how long a 1,000,000-member pack index takes to decode. And checked, not timed: every
+member of the pack and of Mosaic's MDS copy mounted in place by gpufeed reads back
+byte-identical to its file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.machinery
+import os
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import scratch_home, small_files
+from epochs import (
+    BUCKET,
+    CREDENTIALS,
+    Epoch,
+    LocalFiles,
+    calibrate,
+    collate,
+    decode,
+    feed_loader,
+    make_jpegs,
+    run_epoch,
+    s3_store,
+)
+from torch.utils.data import DataLoader, RandomSampler
+
+import gpufeed
+from gpufeed.bench.shaper import shaping
+from gpufeed.integrations.torch import FeedDataset
+from gpufeed.namespace import Namespace
+from gpufeed.pack import packer
+
+
+def import_mosaic() -> Any:
+    """Mosaic's `streaming`. Its package imports its vision datasets, which need torchvision; no
+    torchvision wheel matches the CPU torch 2.13 installed here, and neither MDSWriter nor
+    StreamingDataset uses them, so that one subpackage is replaced by an empty module."""
+    stub = types.ModuleType("streaming.vision")
+    stub.__spec__ = importlib.machinery.ModuleSpec("streaming.vision", None)
+    sys.modules.setdefault("streaming.vision", stub)
+    import streaming
+
+    return streaming
+
+
+def read_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def time_gpufeed(root: Path, out: Path, mount: str, shard: int, workers: int) -> float:
+    client = gpufeed.client()
+    client.agent.stats()  # the node agent runs already, as it does on a node in service
+    started = time.perf_counter()
+    client.namespace.add_mount(mount, f"file://{root}")
+    job = packer.prepare(client, mount, packer.destination(f"file://{out}", {}, client), shard_size=shard)
+    packer.pack(client, job, workers=workers)
+    return time.perf_counter() - started
+
+
+def time_litdata(paths: list[Path], out: Path, shard: int, workers: int) -> float:
+    from litdata import optimize
+
+    started = time.perf_counter()
+    optimize(fn=read_file, inputs=[str(p) for p in paths], output_dir=str(out), chunk_bytes=shard, num_workers=workers,
+             verbose=False, start_method="fork")
+    return time.perf_counter() - started
+
+
+def time_mds(paths: list[Path], out: Path, shard: int) -> float:
+    writer_class = import_mosaic().MDSWriter
+    started = time.perf_counter()
+    with writer_class(out=str(out), columns={"name": "str", "data": "bytes"}, size_limit=shard) as writer:
+        for path in paths:
+            writer.write({"name": path.name, "data": path.read_bytes()})
+    return time.perf_counter() - started
+
+
+def packing(label: str, root: Path, work: Path, args: argparse.Namespace) -> None:
+    paths = sorted(root.iterdir())
+    total = sum(p.stat().st_size for p in paths)
+    shard, workers = args.shard_mib << 20, args.workers
+    times = {
+        f"gpufeed pack ({workers} workers)": time_gpufeed(root, work / f"{label}-gpufeed", f"/in-{label}", shard, workers),
+        f"LitData optimize ({args.workers} workers)": time_litdata(paths, work / f"{label}-litdata", shard, args.workers),
+        "Mosaic MDSWriter (1 process)": time_mds(paths, work / f"{label}-mds", shard),
+    }
+    lit = next(seconds for name, seconds in times.items() if name.startswith("LitData"))
+    print(f"\npacking {label}: {len(paths):,} files, {total / 2**20:,.0f} MiB, shards of {args.shard_mib} MiB, local disk")
+    print(f"{'packer':<36} {'seconds':>8} {'files/s':>9} {'MiB/s':>7} {'speed vs LitData':>17}")
+    for name, seconds in times.items():
+        print(f"{name:<36} {seconds:>8.1f} {len(paths) / seconds:>9,.0f} {total / 2**20 / seconds:>7.1f} {lit / seconds:>16.2f}x",
+              flush=True)
+
+
+def index_load(members: int) -> None:
+    """How long a pack index of `members` members takes to decode and walk (paths and offsets)."""
+    from gpufeed.pack import index as idx
+
+    rows = [(f"train/n{n % 1000:08d}/img_{n:07d}.jpg", n // 2300, (n % 2300) * 113_000, 113_000, 1.7e9, bytes(32))
+            for n in range(members)]
+    data = idx.encode(idx.build("x", 4 << 20, [(f"s{n}", 2300 * 113_000) for n in range(members // 2300 + 1)], rows))
+    started = time.perf_counter()
+    index = idx.decode(data, "bench")
+    decoded = time.perf_counter() - started
+    count = sum(1 for _ in index.members())
+    walked = time.perf_counter() - started - decoded
+    print(f"\npack index of {count:,} members: {len(data) / 2**20:,.0f} MiB, decoded and checked in {decoded:.2f} s, "
+          f"every member walked in {walked:.2f} s more", flush=True)
+
+
+def same_bytes(mount: str, expected: dict[str, bytes]) -> bool:
+    got = gpufeed.client().read_files([f"{mount}/{name}" for name in expected])
+    return all(hashlib.sha256(g).digest() == hashlib.sha256(e).digest() for g, e in zip(got, expected.values(), strict=True))
+
+
+def check_in_place(work: Path, root: Path) -> None:
+    """The pack and Mosaic's MDS copy of the JPEG set, mounted in place, hold the files' bytes."""
+    files = {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+    Namespace().add_mount("/check-pack", f"file://{work / 'jpegs-gpufeed'}")
+    Namespace().add_mount("/check-mds", f"file://{work / 'jpegs-mds'}", {"format": "mds"})
+    mds = {f"{n:08d}.data": data for n, data in enumerate(files.values())}
+    print(f"\nin place: gpufeed pack identical {same_bytes('/check-pack', files)}; "
+          f"Mosaic MDS copy identical {same_bytes('/check-mds', mds)}", flush=True)
+
+
+class Gets:
+    """GET requests the moto server logged (werkzeug writes one line per request, the method
+    wrapped in colour codes)."""
+
+    def __init__(self, log: Path) -> None:
+        self.log, self.seen = log, 0
+
+    def count(self) -> int:
+        text = self.log.read_bytes()
+        new = text[self.seen :].count(b"GET /")
+        self.seen = len(text)
+        return new
+
+
+def upload(endpoint: str, local: Path, prefix: str) -> None:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    files = [p for p in local.rglob("*") if p.is_file()]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda p: s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{p.relative_to(local)}", Body=p.read_bytes()), files))
+
+
+def mosaic_loader(remote: str, local: Path, args: argparse.Namespace) -> Callable[[int], DataLoader]:
+    streaming = import_mosaic()
+
+    class Decoded(streaming.StreamingDataset):  # type: ignore[misc,name-defined]
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return decode(super().__getitem__(index)["data"])
+
+    dataset = Decoded(remote=remote, local=str(local), shuffle=True, shuffle_seed=0, batch_size=args.batch)
+    loader = DataLoader(dataset, batch_size=args.batch, num_workers=args.workers, collate_fn=collate)
+    return lambda epoch: loader
+
+
+def training(work: Path, root: Path, args: argparse.Namespace) -> None:
+    paths = sorted(root.iterdir())
+
+    def local_loader(epoch: int) -> DataLoader:
+        order = RandomSampler(paths, generator=torch.Generator().manual_seed(epoch))
+        return DataLoader(LocalFiles(paths), batch_size=args.batch, sampler=order, num_workers=args.workers, collate_fn=collate)
+
+    run_epoch(local_loader(0), 0.0)
+    data_only = max((run_epoch(local_loader(0), 0.0) for _ in range(2)), key=lambda e: e.samples_s)
+    step_s = calibrate(lambda step: run_epoch(local_loader(0), step), args.busy * args.batch / data_only.samples_s, args.busy)
+    print(f"\ntraining from S3 {args.latency_ms:g} ms away: {len(paths):,} JPEGs, batch {args.batch}, {args.workers} workers, "
+          f"accelerator step {step_s * 1000:.0f} ms (local disk alone feeds {data_only.samples_s:,.0f} samples/s)")
+    print(f"{'loop':<34} {'epoch':>5} {'samples/s':>10} {'busy':>6} {'vs local':>9} {'GETs':>7}")
+    rows: list[tuple[str, int, Epoch, int | None]] = []
+
+    def loop(name: str, make: Callable[[int], Any], gets: Gets | None) -> None:
+        os.sync()
+        for epoch in range(args.epochs):
+            if gets is not None:
+                gets.count()
+            result = run_epoch(make(epoch), step_s)
+            rows.append((name, epoch + 1, result, gets.count() if gets is not None else None))
+            print(f"  {name}: epoch {epoch + 1} {result.samples_s:,.0f} samples/s", file=sys.stderr, flush=True)
+
+    loop("local disk", local_loader, None)
+    with s3_store(work, root) as endpoint:
+        gets = Gets(work / "moto.log")
+        upload(endpoint, work / "jpegs-gpufeed", "packed")
+        upload(endpoint, work / "jpegs-mds", "mds")
+        port = int(endpoint.rsplit(":", 1)[1])
+        with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper.log") as shaped:
+            options = {"endpoint": f"http://127.0.0.1:{shaped}"}
+            Namespace().add_mount("/raw", f"s3://{BUCKET}/train", options)
+            Namespace().add_mount("/packed", f"s3://{BUCKET}/packed", options)
+            loop("gpufeed s3, raw files", feed_loader(FeedDataset("/raw", transform=decode), args), gets)
+            loop("gpufeed s3, packed", feed_loader(FeedDataset("/packed", transform=decode), args), gets)
+            os.environ["S3_ENDPOINT_URL"] = options["endpoint"]
+            loop("Mosaic StreamingDataset, MDS copy", mosaic_loader(f"s3://{BUCKET}/mds", work / "mosaic-cache", args), gets)
+    loop("local disk, again", local_loader, None)
+    local = statistics.mean(e.samples_s for name, _, e, _ in rows if name.startswith("local disk"))
+    for name, epoch, result, count in rows:
+        print(f"{name:<34} {epoch:>5} {result.samples_s:>10,.0f} {result.busy:>6.1%} {result.samples_s / local:>8.2f}x "
+              f"{'' if count is None else f'{count:,}':>7}")
+    print("vs local: to the mean of the local-disk loops before and after the others")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", type=int, default=3000)
+    parser.add_argument("--size", type=int, default=113_000)
+    parser.add_argument("--small-files", type=int, default=100_000)
+    parser.add_argument("--small-size", type=int, default=10_000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--latency-ms", type=float, default=20.0)
+    parser.add_argument("--busy", type=float, default=0.9)
+    parser.add_argument("--shard-mib", type=int, default=64)
+    parser.add_argument("--persistent", action="store_true", help="persistent DataLoader workers")
+    parser.add_argument("--skip-training", action="store_true")
+    args = parser.parse_args()
+    os.environ.update(CREDENTIALS)
+    torch.set_num_threads(1)
+    with scratch_home("gpufeed-pack-") as work:
+        root = work / "jpegs"
+        total = make_jpegs(root, args.files, args.size)
+        print(f"{args.files:,} JPEGs of {total / args.files / 1000:,.0f} KB; {args.small_files:,} files of {args.small_size:,} B")
+        packing("jpegs", root, work, args)
+        if args.small_files:
+            small = work / "small"
+            small_files(small, args.small_files, args.small_size)
+            packing("small", small, work, args)
+        check_in_place(work, root)
+        index_load(1_000_000)
+        if not args.skip_training:
+            training(work, root, args)
+
+
+if __name__ == "__main__":
+    main()

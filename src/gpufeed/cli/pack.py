@@ -1,0 +1,52 @@
+"""`gpufeed pack NSPATH DEST_URL`: small files into shards, under their original paths."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import typer
+
+from gpufeed.cli.console import human_bytes, out
+from gpufeed.cli.progress import Meter
+from gpufeed.client import Client
+from gpufeed.config import parse_size
+from gpufeed.namespace import parse_options
+from gpufeed.pack import packer
+
+
+def pack(
+    nspath: str = typer.Argument(..., help="Namespace directory to pack, e.g. /data/imagenet."),
+    dest: str = typer.Argument(..., help="Where to write the pack: file:///dir, s3://bucket/prefix, gs://…, az://…"),
+    shard_size: str = typer.Option("256MiB", "--shard-size", help="Largest shard (a bigger file gets a shard alone)."),
+    workers: int = typer.Option(4, "--workers", "-w", help="Shards read and written at once."),
+    order: Path | None = typer.Option(None, "--order", help="File of paths (one a line) to pack first, in this order."),
+    opt: list[str] = typer.Option([], "--opt", "-o", help="Destination store option key=value (repeatable)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr; errors still print."),
+    as_json: bool = typer.Option(False, "--json", help="Print what was done as one JSON object."),
+) -> None:
+    """Pack every file under NSPATH into shards plus an index at DEST_URL, reading through the
+    cache. Mount DEST_URL and the files keep their paths. Interrupted, it resumes (finished
+    shards are kept); over unchanged input it does nothing. (--ray is not implemented yet.)"""
+    started = time.monotonic()
+    client = Client()
+    job = packer.prepare(
+        client, nspath, packer.destination(dest, parse_options(opt), client), shard_size=parse_size(shard_size, "--shard-size"),
+        order=order,
+    )
+    with Meter("pack", len(job.items), job.bytes, quiet=quiet or job.up_to_date()) as meter:
+        done = packer.pack(client, job, workers=workers, progress=meter.update)
+    seconds = time.monotonic() - started
+    if as_json:
+        typer.echo(json.dumps({**asdict(done), "seconds": round(seconds, 3)}))
+        return
+    if done.up_to_date:
+        out.print(f"{dest}: up to date ({done.files:,} files in {done.shards} shards)", highlight=False)
+        return
+    out.print(
+        f"packed {done.files:,} files, {human_bytes(done.bytes)} from {job.nspath} into {dest}: {done.shards} shards "
+        f"({done.written} written, {done.kept} kept from an earlier run) in {seconds:.1f} s",
+        highlight=False,
+    )

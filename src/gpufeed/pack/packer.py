@@ -1,0 +1,222 @@
+"""`gpufeed pack`: read a namespace directory through the read path, write shards and an index.
+
+Why this shape: packing is one more reader (members come through `Client.read_once`, batched,
+pinned and checked like any read; cached files from the cache, the rest from the store without
+filling the cache with files that will be read through the pack from now on) and one more writer of a store (`Source.put`). It is
+resumable because the plan is a pure function of the input (`pack.plan`): a shard's key names
+its exact contents, a finished shard is published whole by one PUT followed by its digests
+(`<shard>.sha256`), and a rerun keeps every shard whose key and size match. The index is
+written last, by one PUT, so a reader sees the previous pack or the complete new one. A rerun
+over unchanged input finds an index with the same digest and does nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from gpufeed.client import Client
+from gpufeed.errors import InvalidArgument, ObjectMissing, PackError, PathNotFound
+from gpufeed.namespace import FileStat, normalize
+from gpufeed.pack import index as idx
+from gpufeed.pack.layout import DIR, INDEX_KEY
+from gpufeed.pack.plan import Item, Shard, pack_digest, plan
+from gpufeed.sources import Source, open_source
+
+READ_BATCH_BYTES = 64 << 20
+READ_BATCH_FILES = 1024
+
+
+@dataclass
+class Packed:
+    """What a pack run did. `up_to_date`: the destination already held this pack."""
+
+    files: int
+    bytes: int
+    shards: int
+    written: int
+    kept: int
+    up_to_date: bool
+    index_key: str
+
+
+def members(client: Client, nspath: str, order: Path | None) -> list[tuple[str, FileStat]]:
+    """(path relative to `nspath`, file) for every file under it: the paths of `order` first,
+    in its order, then the rest in directory order."""
+    nspath = normalize(nspath)
+    base = nspath.rstrip("/") + "/"
+    try:
+        files = {item.path[len(base) :]: item for item in client.walk(nspath) if item.path.startswith(base)}
+    except PathNotFound as exc:
+        raise PackError(f"{nspath}: nothing to pack ({exc})") from None
+    if not files:
+        raise PackError(f"{nspath}: no files to pack (is it a file, or an empty directory?)")
+    if order is None:
+        return list(files.items())
+    try:
+        lines = order.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"--order {order}: {exc}") from None
+    chosen: dict[str, FileStat] = {}
+    for number, line in enumerate(lines, 1):
+        name = line.strip()
+        if not name or name.startswith("#"):
+            continue
+        name = name[len(base) :] if name.startswith(base) else name.lstrip("/")
+        if name not in files:
+            raise InvalidArgument(f"--order {order}:{number}: {name!r} is not a file under {nspath}")
+        chosen[name] = files[name]
+    return [*chosen.items(), *((path, item) for path, item in files.items() if path not in chosen)]
+
+
+def destination(url: str, options: dict[str, str], client: Client) -> Source:
+    """The store to write to; a local directory is created first."""
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        try:
+            Path(parts.path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise PackError(f"{url}: cannot create the destination ({exc.strerror})") from None
+    return open_source(url, options, client.settings)
+
+
+def _existing(dest: Source) -> dict[str, int]:
+    """Objects already under the pack's directory at the destination: key -> size."""
+    found: dict[str, int] = {}
+    for batch in dest.list():
+        found.update((info.key, info.size) for info in batch if info.key.startswith(DIR + "/"))
+    return found
+
+
+def _current_digest(dest: Source, existing: dict[str, int]) -> str | None:
+    """The digest of the index at the destination, when there is a readable one."""
+    size = existing.get(INDEX_KEY)
+    if size is None:
+        return None
+    try:
+        data = dest.get_range(INDEX_KEY, 0, size)
+        return idx.decode(data, dest.url).digest
+    except (PackError, ObjectMissing):
+        return None  # a corrupt or vanished index is simply written again
+
+
+@dataclass
+class Plan:
+    """A pack to write: the files (path relative to the packed directory, file) in order, the
+    shards they go into, and what the destination holds already."""
+
+    nspath: str
+    dest: Source
+    files: list[tuple[str, FileStat]]
+    items: list[Item]
+    shards: list[Shard]
+    digest: str
+    block_size: int
+    existing: dict[str, int]
+
+    @property
+    def bytes(self) -> int:
+        return sum(item.size for item in self.items)
+
+    def up_to_date(self) -> bool:
+        """Whether the destination holds this pack already, index and every shard."""
+        existing = self.existing
+        return _current_digest(self.dest, existing) == self.digest and all(existing.get(s.key) == s.size for s in self.shards)
+
+
+def prepare(client: Client, nspath: str, dest: Source, *, shard_size: int, order: Path | None = None) -> Plan:
+    """Walk `nspath` (from the manifest), lay out the shards, and list what `dest` holds."""
+    if shard_size < 4096:
+        raise InvalidArgument(f"--shard-size {shard_size}: must be at least 4KiB")
+    files = members(client, nspath, order)
+    items = [Item(path, item.size, item.version or "") for path, item in files]
+    block_size = client.settings.block_size
+    shards = plan(items, shard_size, block_size)
+    return Plan(normalize(nspath), dest, files, items, shards, pack_digest(shards, block_size), block_size, _existing(dest))
+
+
+def pack(client: Client, job: Plan, *, workers: int = 4, progress: Callable[[int, int], None] | None = None) -> Packed:
+    """Write the shards `job.dest` lacks (`workers` at a time), then the index. `progress` hears
+    the files and bytes done so far, shards kept from an earlier run included (from any worker
+    thread)."""
+    if workers < 1:
+        raise InvalidArgument(f"--workers {workers}: must be at least 1")
+    items, shards, dest, existing = job.items, job.shards, job.dest, job.existing
+    if job.up_to_date():
+        return Packed(len(items), job.bytes, len(shards), 0, len(shards), True, INDEX_KEY)
+    done = [s for s in shards if existing.get(s.key) == s.size and existing.get(_sums_key(s)) == 32 * len(s.members)]
+    kept = {s.number for s in done}
+    todo = [s for s in shards if s.number not in kept]
+    counts = _Counts(progress)
+    counts.add(sum(len(s.members) for s in done), sum(items[n].size for s in done for n, _ in s.members))
+    digests = {s.number: dest.get_range(_sums_key(s), 0, 32 * len(s.members)).tobytes() for s in done}
+    paths = [f"{job.nspath.rstrip('/')}/{path}" for path, _ in job.files]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpufeed-pack") as pool:
+        written = pool.map(lambda s: _write(client, dest, s, items, paths, counts), todo)
+        digests.update(zip((s.number for s in todo), written, strict=True))
+    rows = [
+        (items[n].path, shard.number, offset, items[n].size, job.files[n][1].mtime, digests[shard.number][32 * k : 32 * k + 32])
+        for shard in shards
+        for k, (n, offset) in enumerate(shard.members)
+    ]
+    index = idx.build(job.digest, job.block_size, [(s.key, s.size) for s in shards], rows)
+    dest.put(INDEX_KEY, idx.encode(index))
+    return Packed(len(items), job.bytes, len(shards), len(todo), len(done), False, INDEX_KEY)
+
+
+def _sums_key(shard: Shard) -> str:
+    return f"{shard.key}.sha256"
+
+
+class _Counts:
+    """Files and bytes done, summed across worker threads."""
+
+    def __init__(self, progress: Callable[[int, int], None] | None) -> None:
+        self.files = self.bytes = 0
+        self._progress = progress
+        self._lock = threading.Lock()
+
+    def add(self, files: int, size: int) -> None:
+        with self._lock:
+            self.files += files
+            self.bytes += size
+            if self._progress is not None:
+                self._progress(self.files, self.bytes)
+
+
+def _batches(shard: Shard, items: list[Item]) -> Iterator[list[tuple[int, int]]]:
+    batch: list[tuple[int, int]] = []
+    size = 0
+    for n, offset in shard.members:
+        batch.append((n, offset))
+        size += items[n].size
+        if size >= READ_BATCH_BYTES or len(batch) >= READ_BATCH_FILES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _write(client: Client, dest: Source, shard: Shard, items: list[Item], paths: list[str], counts: _Counts) -> bytes:
+    """Read the shard's members (batched, through the read path), hash them, PUT the shard and
+    then its digests; returns the digests (32 bytes per member, in shard order)."""
+    buffer = bytearray(shard.size)
+    sums: list[bytes] = []
+    for batch in _batches(shard, items):
+        views = client.read_once([paths[n] for n, _ in batch])
+        for (n, offset), view in zip(batch, views, strict=True):
+            if len(view) != items[n].size:
+                listed = items[n].size
+                raise PackError(f"{paths[n]}: read {len(view)} bytes, the manifest lists {listed}; run 'gpufeed mount refresh'")
+            buffer[offset : offset + len(view)] = view
+            sums.append(hashlib.sha256(view).digest())
+        counts.add(len(batch), sum(items[n].size for n, _ in batch))
+    dest.put(shard.key, buffer)
+    digests = b"".join(sums)
+    dest.put(_sums_key(shard), digests)
+    return digests

@@ -1,0 +1,229 @@
+"""Pack → mount → every member byte-identical; resume after kill -9; bad inputs; the packed view
+through fsspec. Real moto S3 server, real `gpufeed` processes for the CLI contract."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+import gpufeed
+from gpufeed.client import Client
+from gpufeed.client.connection import AgentClient
+from gpufeed.config import Settings
+from gpufeed.meta.base import Entry
+from gpufeed.namespace import Namespace
+from gpufeed.pack.layout import DIR, INDEX_KEY
+from tests.cli.test_cli import fails, ok
+from tests.conftest import Bucket
+
+
+def files_in(bucket: Bucket, prefix: str, count: int, seed: int = 0) -> dict[str, bytes]:
+    """`count` files of 1 B to 40 KB (and every 50th 1.5 MiB) in nested dirs, uploaded under `prefix`."""
+    rng = random.Random(seed)
+    out = {}
+    for n in range(count):
+        size = 1_500_000 if n % 50 == 7 else rng.randint(1, 40_000)
+        key = f"train/c{n % 7}/img_{n:04d}.jpg"
+        out[key] = rng.randbytes(size)
+        bucket.put(f"{prefix}/{key}", out[key])
+    return out
+
+
+def sha(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def opts(bucket: Bucket) -> list[str]:
+    return ["--opt", f"endpoint={bucket.endpoint}"]
+
+
+def test_pack_mount_every_member_identical(bucket: Bucket) -> None:
+    raw = files_in(bucket, "raw", 240)
+    ok("mount", "add", "/raw", f"{bucket.url}/raw", *opts(bucket))
+    packed = f"{bucket.url}/packed"
+    out = ok("pack", "/raw", packed, "--shard-size", "1MiB", "--workers", "3", *opts(bucket))
+    assert "packed 240 files" in out
+    ok("mount", "add", "/imnet", packed, *opts(bucket))
+    ok("cache", "clear")  # packing cached the raw files' blocks; count only what the packed view reads
+
+    ns = Namespace()
+    listed = {f.path.removeprefix("/imnet/"): f for f in ns.walk("/imnet")}
+    assert set(listed) == set(raw)
+    assert [f.path for f in ns.ls("/imnet")] == ["/imnet/train"], "the pack's own directory is hidden"
+    for key, data in raw.items():
+        info = listed[key].info
+        assert info is not None and info.pack_key is not None and info.size == len(data)
+        assert info.content_hash == f"sha256:{sha(data)}"
+        assert sha(gpufeed.read(f"/imnet/{key}")) == sha(data), key
+    with gpufeed.open("/imnet/train/c0/img_0007.jpg") as f:  # a 1.5 MiB member, read in pieces
+        f.seek(1_000_000)
+        assert f.read(10) == raw["train/c0/img_0007.jpg"][1_000_000:1_000_010]
+        assert f.read() == raw["train/c0/img_0007.jpg"][1_000_010:]
+
+    # the cache holds the shards' blocks, not one block per file: many members to a block
+    stats = AgentClient(Settings.from_env()).stats()
+    assert stats.blocks < len(raw) / 4, stats.blocks
+    # gpufeed verify hashes every member through the packed view and finds the index's hashes
+    assert "240 matched, 0 mismatched" in ok("verify", "/imnet")
+
+
+def test_packed_view_through_fsspec_and_read_files(bucket: Bucket) -> None:
+    raw = files_in(bucket, "raw", 60, seed=1)
+    ns = Namespace()
+    ns.add_mount("/raw", f"{bucket.url}/raw", {"endpoint": bucket.endpoint})
+    ok("pack", "/raw", f"{bucket.url}/p", "--shard-size", "256KiB", *opts(bucket))
+    ns.add_mount("/p", f"{bucket.url}/p", {"endpoint": bucket.endpoint})
+    fs = fsspec.filesystem("gpufeed")
+    assert fs.ls("/p", detail=False) == ["/p/train"]
+    key = "train/c3/img_0010.jpg"
+    assert fs.info(f"/p/{key}")["size"] == len(raw[key])
+    assert fs.cat_file(f"/p/{key}") == raw[key]
+    assert fs.cat_file(f"/p/{key}", start=5, end=-5) == raw[key][5:-5]
+    with fs.open(f"/p/{key}", "rb") as f:
+        assert f.read() == raw[key]
+    keys = sorted(raw)
+    random.Random(3).shuffle(keys)  # an exact per-sample shuffle reads as well as an ordered one
+    got = gpufeed.client().read_files([f"/p/{k}" for k in keys])
+    assert [sha(g) for g in got] == [sha(raw[k]) for k in keys]
+
+
+def test_rerun_is_a_noop_and_order_is_followed(bucket: Bucket, tmp_path: Path) -> None:
+    raw = files_in(bucket, "raw", 30, seed=2)
+    Namespace().add_mount("/raw", f"{bucket.url}/raw", {"endpoint": bucket.endpoint})
+    order = tmp_path / "order.txt"
+    first = ["train/c6/img_0027.jpg", "/raw/train/c0/img_0000.jpg"]
+    order.write_text("\n".join(first) + "\n")
+    dest = tmp_path / "packed"
+    ok("pack", "/raw", f"file://{dest}", "--order", str(order))
+    index = (dest / INDEX_KEY).read_bytes()
+    assert "up to date" in ok("pack", "/raw", f"file://{dest}", "--order", str(order))
+    assert (dest / INDEX_KEY).read_bytes() == index
+    from gpufeed.pack import index as idx
+
+    paths = idx.decode(index, "test").paths
+    assert paths[:2] == ["train/c6/img_0027.jpg", "train/c0/img_0000.jpg"] and sorted(paths) == sorted(raw)
+
+
+def test_kill_during_pack_then_rerun_gives_the_same_index(bucket: Bucket, tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    rng = random.Random(4)
+    for n in range(400):
+        (tmp_path / "src" / f"{n:04d}.bin").write_bytes(rng.randbytes(rng.randint(100, 9000)))
+    Namespace().add_mount("/src", f"file://{tmp_path / 'src'}")
+    args = ["/src", "--shard-size", "8KiB", "--workers", "1", "--quiet", *opts(bucket)]
+    ok("pack", *args[:1], f"{bucket.url}/clean", *args[1:])
+    clean = bucket.client.get_object(Bucket=bucket.name, Key=f"clean/{INDEX_KEY}")["Body"].read()  # type: ignore[attr-defined]
+
+    def shards() -> int:
+        listing = bucket.client.list_objects_v2(Bucket=bucket.name, Prefix=f"killed/{DIR}/shards/")  # type: ignore[attr-defined]
+        return listing.get("KeyCount", 0)
+
+    env = {**os.environ, "COLUMNS": "200"}
+    child = subprocess.Popen([sys.executable, "-m", "gpufeed", "pack", *args[:1], f"{bucket.url}/killed", *args[1:]], env=env)
+    deadline = time.monotonic() + 60
+    while shards() < 6 and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert child.returncode == -signal.SIGKILL, "the pack finished before it could be killed"
+    index_keys = bucket.client.list_objects_v2(Bucket=bucket.name, Prefix=f"killed/{INDEX_KEY}")  # type: ignore[attr-defined]
+    assert index_keys.get("KeyCount", 0) == 0, "no index before the last shard"
+    out = ok("pack", *args[:1], f"{bucket.url}/killed", *args[1:], "--json")
+    assert '"kept": 0' not in out
+    resumed = bucket.client.get_object(Bucket=bucket.name, Key=f"killed/{INDEX_KEY}")["Body"].read()  # type: ignore[attr-defined]
+    assert resumed == clean
+
+
+def test_bad_inputs_one_line(bucket: Bucket, tmp_path: Path, dataset: Path) -> None:
+    Namespace().add_mount("/data", f"file://{dataset}")
+    (tmp_path / "a-file").write_bytes(b"x")
+    assert "cannot create the destination" in fails(1, "pack", "/data", f"file://{tmp_path}/a-file/pack")
+    line = fails(1, "pack", "/data", "s3://no-such-bucket/x", *opts(bucket))
+    assert "no-such-bucket" in line and "NoSuchBucket" in line
+    (tmp_path / "empty").mkdir()
+    ok("mount", "add", "/empty", f"file://{tmp_path}/empty", "--allow-empty")
+    assert "/empty: no files to pack" in fails(1, "pack", "/empty", f"file://{tmp_path}/p1")
+    assert "/data/none: nothing to pack" in fails(1, "pack", "/data/none", f"file://{tmp_path}/p2")
+    ok("pack", "/data", f"file://{tmp_path}/p3")
+    (tmp_path / "p3" / INDEX_KEY).write_bytes(b"GFPACK\x00\x01garbage")
+    line = fails(1, "mount", "add", "/p3", f"file://{tmp_path}/p3")
+    assert "corrupt pack index" in line and INDEX_KEY in line
+    assert fails(1, "mount", "add", "/p4", f"file://{tmp_path}/p3", "--opt", "format=webdataset").endswith(
+        "no .tar shards to mount as a WebDataset"
+    )
+
+
+def test_manifest_rows_carry_pack_membership(bucket: Bucket, tmp_path: Path, dataset: Path) -> None:
+    ns = Namespace()
+    ns.add_mount("/data", f"file://{dataset}")
+    ok("pack", "/data", f"file://{tmp_path}/p")
+    ns.add_mount("/p", f"file://{tmp_path}/p")
+    mount = ns.mount("/p")
+    assert mount.options["format"] == "gpufeed-pack"
+    row = ns.engine.lookup(mount.generation, "train/cats", "1.jpg")
+    assert isinstance(row, Entry) and row.pack_key is not None and row.pack_length == 1001
+    assert gpufeed.read("/p/train/cats/1.jpg") == bytes([1]) * 1001
+    assert gpufeed.read("/p/empty.bin") == b""
+    assert gpufeed.stat("/p/README").size == 7
+    ns.add_mount("/as-files", f"file://{tmp_path}/p", {"format": "files"})
+    assert [f.path for f in ns.ls("/as-files")] == [f"/as-files/{DIR}"], "a raw view shows the pack itself"
+
+
+def _read_in_child(paths: list[str], out: Any) -> None:
+    out.put([hashlib.sha256(v).hexdigest() for v in gpufeed.client().read_files(paths)])
+
+
+def test_forked_worker_reads_a_sparse_batch_of_members(bucket: Bucket) -> None:
+    """A DataLoader worker forked from a process that used obstore reads random members of
+    different shard blocks (a batch the parent would read around) through the agent."""
+    rng = random.Random(5)
+    raw = {f"f/{n:03d}.bin": rng.randbytes(50_000) for n in range(200)}
+    for key, data in raw.items():
+        bucket.put(f"raw/{key}", data)
+    ns = Namespace()
+    ns.add_mount("/raw", f"{bucket.url}/raw", {"endpoint": bucket.endpoint})
+    ok("pack", "/raw", f"{bucket.url}/p", "--shard-size", "8MiB", *opts(bucket))
+    ns.add_mount("/p", f"{bucket.url}/p", {"endpoint": bucket.endpoint})
+    keys = ["f/000.bin", "f/090.bin", "f/180.bin"]  # one in each 4 MiB block
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_read_in_child, args=([f"/p/{k}" for k in keys], results))
+    child.start()
+    try:
+        got = results.get(timeout=60)
+    finally:
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+    assert got == [sha(raw[k]) for k in keys]
+
+
+def test_repack_after_a_change_and_refresh_the_packed_mount(bucket: Bucket, tmp_path: Path) -> None:
+    """A changed file: the rerun rewrites only the shard holding it, and a refresh of the packed
+    mount serves the new bytes."""
+    (tmp_path / "src").mkdir()
+    for n in range(20):
+        (tmp_path / "src" / f"{n:02d}.bin").write_bytes(bytes([n]) * 3000)
+    ns = Namespace()
+    ns.add_mount("/src", f"file://{tmp_path / 'src'}")
+    dest = f"{bucket.url}/p"
+    ok("pack", "/src", dest, "--shard-size", "8KiB", *opts(bucket))
+    ns.add_mount("/p", dest, {"endpoint": bucket.endpoint})
+    assert gpufeed.read("/p/05.bin") == bytes([5]) * 3000
+    (tmp_path / "src" / "05.bin").write_bytes(b"new" * 1000)
+    ns.refresh("/src")
+    out = ok("pack", "/src", dest, "--shard-size", "8KiB", "--json", *opts(bucket))
+    assert '"written": 1' in out and '"kept": 9' in out, out
+    ns.refresh("/p")
+    assert Client().read("/p/05.bin") == b"new" * 1000
+    assert Client().read("/p/06.bin") == bytes([6]) * 3000

@@ -1,0 +1,47 @@
+"""A WebDataset tar shard set read in place: its members are files, their bytes ranges of the tars."""
+
+from __future__ import annotations
+
+import io
+import random
+import tarfile
+
+import gpufeed
+from gpufeed.client.connection import AgentClient
+from gpufeed.config import Settings
+from gpufeed.namespace import Namespace
+from tests.conftest import Bucket
+
+
+def shard(members: dict[str, bytes]) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), 1_700_000_000
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def test_webdataset_members_read_in_place(bucket: Bucket) -> None:
+    rng = random.Random(0)
+    samples: dict[str, bytes] = {}
+    for number in range(3):
+        members = {}
+        for n in range(number * 40, number * 40 + 40):
+            members[f"{n:06d}.jpg"] = rng.randbytes(rng.randint(1, 30_000))
+            members[f"{n:06d}.cls"] = str(n % 10).encode()
+        if number == 2:  # a name longer than ustar holds: a pax header carries it
+            members["deep/" + "x" * 150 + ".json"] = b'{"long": true}'
+            members["big.bin"] = rng.randbytes(5_000_000)  # spans blocks; its data is skipped while indexing
+        samples.update(members)
+        bucket.put(f"wds/shard-{number:06d}.tar", shard(members))
+    Namespace().add_mount("/wds", f"{bucket.url}/wds", {"endpoint": bucket.endpoint, "format": "webdataset"})
+    listed = {f.path.removeprefix("/wds/"): f.size for f in gpufeed.walk("/wds")}
+    assert listed == {name: len(data) for name, data in samples.items()}
+    assert sorted(f.path for f in gpufeed.ls("/wds"))[:2] == ["/wds/000000.cls", "/wds/000000.jpg"]
+    for name, data in samples.items():
+        assert gpufeed.read(f"/wds/{name}") == data, name
+    assert gpufeed.read("/wds/big.bin", 4_000_000, 100) == samples["big.bin"][4_000_000:4_000_100]
+    blocks = AgentClient(Settings.from_env()).stats().blocks
+    assert blocks <= 3 + 2, f"{blocks} blocks: the tars' blocks, not one per member"
