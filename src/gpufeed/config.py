@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
@@ -66,6 +66,10 @@ class Settings:
     debug: `GPUFEED_DEBUG=1` (or `gpufeed --debug`): logged errors carry their tracebacks.
     progress_interval: seconds between the plain progress lines a long command writes when
         stderr is not a terminal (`GPUFEED_PROGRESS_INTERVAL`, 5).
+    pool_quotas: `GPUFEED_POOL_QUOTAS`, GPUs each team may hold in the GPU pool, `team=2,other=0.5`;
+        read when a pool's scheduler is first created.
+    pool_idle_timeout: seconds a GPU lease may stay idle before it is reclaimed
+        (`GPUFEED_POOL_IDLE_TIMEOUT`, 1800; 0 never reclaims).
     """
 
     home: Path
@@ -84,6 +88,8 @@ class Settings:
     log_format: str = "text"
     debug: bool = False
     progress_interval: float = 5.0
+    pool_quotas: dict[str, float] = field(default_factory=dict)
+    pool_idle_timeout: float = 1800.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -106,6 +112,8 @@ class Settings:
             log_format=_checked(os.environ.get("GPUFEED_LOG_FORMAT") or "text", parse_log_format, "GPUFEED_LOG_FORMAT"),
             debug=os.environ.get("GPUFEED_DEBUG") == "1",
             progress_interval=_float_env("GPUFEED_PROGRESS_INTERVAL", 5.0),
+            pool_quotas=parse_quotas(os.environ.get("GPUFEED_POOL_QUOTAS", ""), "GPUFEED_POOL_QUOTAS"),
+            pool_idle_timeout=_float_env("GPUFEED_POOL_IDLE_TIMEOUT", 1800.0),
         )
 
 
@@ -141,3 +149,17 @@ def parse_verify(text: str, what: str = "verify") -> bool:
     from gpufeed.errors import InvalidArgument
 
     raise InvalidArgument(f"{what}={text!r}: expected always or never")
+
+
+def parse_quotas(text: str, what: str = "quotas") -> dict[str, float]:
+    """'team=2,other=0.5' → {"team": 2.0, "other": 0.5}: GPUs each team may hold."""
+    quotas: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        team, _, value = item.partition("=")
+        try:
+            quotas[team.strip()] = float(value)
+        except ValueError:
+            from gpufeed.errors import InvalidArgument
+
+            raise InvalidArgument(f"{what}={text!r}: expected TEAM=GPUS[,TEAM=GPUS], e.g. vision=2,nlp=0.5") from None
+    return quotas

@@ -8,7 +8,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
-from gpufeed.cli import agent, bench, cache, demo, files, metrics, mount, top, verify, warmup
+from gpufeed.cli import agent, bench, cache, demo, files, gpu, metrics, mount, top, verify, warmup
 from gpufeed.cli.console import err, out
 from gpufeed.errors import GpufeedError
 
@@ -67,6 +67,7 @@ app.add_typer(bench.app, name="bench")
 app.command("demo")(demo.demo)
 app.command("metrics")(metrics.metrics)
 app.command("top")(top.top)
+app.add_typer(gpu.app, name="gpu")
 files.register(app)
 
 
