@@ -1,0 +1,67 @@
+"""`gpufeed gpu` as a user runs it: a killed client frees its lease, bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from ray.cluster_utils import Cluster
+
+from gpufeed.bench.children import free_port
+from gpufeed.pool.client import status
+from tests.pool.conftest import eventually
+
+
+def gpufeed(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gpufeed", *args], capture_output=True, text=True, timeout=120)
+
+
+def running(marker: str) -> bool:
+    """Some process's command line contains `marker`."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def test_kill_9_of_a_job_frees_its_lease_and_stops_its_command(cluster: Cluster) -> None:
+    client = subprocess.Popen(
+        [sys.executable, "-m", "gpufeed", "gpu", "run", "--address", cluster.address, "--pool", "kill", "--", "sleep", "61.25"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        eventually(lambda: [ls for ls in status("kill")["leases"] if ls["started"]], "the job to start")
+        assert eventually(lambda: running("61.25"), "the command to run")
+    finally:
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+    eventually(lambda: status("kill")["leases"] == [], "the killed job's lease to be freed", timeout=30)
+    eventually(lambda: not running("61.25"), "the command to stop")
+
+
+def test_status_json_shows_gpus_leases_queue_and_teams(cluster: Cluster) -> None:
+    done = gpufeed("gpu", "status", "--json", "--address", cluster.address, "--pool", "kill")
+    state = json.loads(done.stdout)
+    assert done.returncode == 0 and set(state) == {"gpus", "leases", "queue", "teams", "idle_timeout"}
+    assert [(g["free_share"], g["memory"]) for g in state["gpus"]] == [(1.0, 16 << 30)] * 2
+
+
+def test_bad_input_is_one_clear_line(cluster: Cluster) -> None:
+    cases = [
+        (["--gpu", "0"], 2, "--gpu 0: expected a share > 0"),
+        (["--address", cluster.address, "--gpu", "3"], 2, "--gpu 3: no node has 3 GPUs (the most on one node is 1)"),
+        (["--address", cluster.address, "--mem", "20GiB"], 2, "--mem 20.0GiB: more than the largest GPU's memory (16.0GiB)"),
+        (["--address", f"127.0.0.1:{free_port()}"], 1, "no Ray cluster at 127.0.0.1:"),
+    ]
+    for args, code, message in cases:
+        done = gpufeed("gpu", "run", *args, "--", "true")
+        assert (done.returncode, done.stdout) == (code, ""), done.stderr
+        assert done.stderr.startswith(f"gpufeed: error: {message}") and done.stderr.count("\n") == 1, done.stderr
