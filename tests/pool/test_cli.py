@@ -11,7 +11,8 @@ import sys
 from ray.cluster_utils import Cluster
 
 from gpufeed.bench.children import free_port
-from gpufeed.pool.client import status
+from gpufeed.pool.client import lease, status
+from gpufeed.pool.ledger import Request
 from tests.pool.conftest import eventually
 
 
@@ -45,6 +46,21 @@ def test_kill_9_of_a_job_frees_its_lease_and_stops_its_command(cluster: Cluster)
         client.wait()
     eventually(lambda: status("kill")["leases"] == [], "the killed job's lease to be freed", timeout=30)
     eventually(lambda: not running("61.25"), "the command to stop")
+
+
+def test_run_waits_in_the_queue_with_a_status_line_then_runs(cluster: Cluster) -> None:
+    with lease(Request(1.0, nodes=2), pool="wait"):
+        client = subprocess.Popen(
+            [sys.executable, "-m", "gpufeed", "gpu", "run", "--address", cluster.address, "--pool", "wait", "--gpu", "0.5",
+             "--team", "vision", "--", "echo", "ran"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        eventually(lambda: status("wait")["queue"], "the job to queue")
+    out, err = client.communicate(timeout=60)
+    assert (client.returncode, out) == (0, "ran\n"), err
+    assert "gpu run: queued for 0.5 GPU x 1 node(s), team vision, priority 0: position 1 of 1, waiting for a GPU to free" in err
 
 
 def test_status_json_shows_gpus_leases_queue_and_teams(cluster: Cluster) -> None:
