@@ -8,6 +8,7 @@ import sys
 from contextlib import ExitStack
 
 import ray
+import torch
 from ray.cluster_utils import Cluster
 
 from gpufeed.pool import remote
@@ -100,6 +101,8 @@ def double(x: int) -> int:
 def test_remote_runs_a_callable_on_a_pooled_gpu(cluster: Cluster) -> None:
     with remote(double, gpu=0.25, mem="2GiB", pool="remote") as hosted:
         assert hosted(21) == 42
+        doubled = hosted(torch.arange(3.0))
+        assert isinstance(doubled, torch.Tensor) and doubled.tolist() == [0.0, 2.0, 4.0]
         assert hosted.env()["CUDA_VISIBLE_DEVICES"] == "0"
         assert [ls["share"] for ls in status("remote")["leases"]] == [0.25]
     eventually(lambda: status("remote")["leases"] == [], "the remote lease to be released")

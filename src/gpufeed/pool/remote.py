@@ -1,8 +1,8 @@
 """`remote(fn_or_module)`: run a callable or model on a pooled GPU from any machine in the Ray
 cluster, even one without a GPU. The target lives in a `Hosted` actor on the leased node (its
 environment carries the lease: `CUDA_VISIBLE_DEVICES`, the PyTorch memory cap); each call is one
-actor call, arguments and results through Ray's object store (zero-copy for large numpy arrays
-and tensors on the same node). The lease lasts until `close()` or this process exits.
+actor call, arguments and results through Ray's object store; CPU torch tensors travel as numpy
+arrays (`codec.CpuTensor`), which Ray moves without pickling. The lease lasts until `close()` or this process exits.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 from gpufeed.config import parse_size
 from gpufeed.pool.client import Granted, _ray, lease
+from gpufeed.pool.codec import pack, unpack
 from gpufeed.pool.ledger import Request
 
 
@@ -22,10 +23,10 @@ class Remote:
         self._actor, self._stack, self.lease = actor, stack, granted.lease
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _ray().get(self._actor.call.remote(args, kwargs))
+        return unpack(_ray().get(self._actor.call.remote(pack(args), {k: pack(v) for k, v in kwargs.items()})))
 
     def method(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return _ray().get(self._actor.method.remote(name, args, kwargs))
+        return unpack(_ray().get(self._actor.method.remote(name, pack(args), {k: pack(v) for k, v in kwargs.items()})))
 
     def env(self) -> dict[str, str]:
         """The hosted side's CUDA_* and GPUFEED_* variables (what the lease set up)."""

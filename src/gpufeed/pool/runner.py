@@ -15,6 +15,7 @@ from typing import Any
 import ray
 
 from gpufeed.pool import launcher
+from gpufeed.pool.codec import pack, unpack
 from gpufeed.pool.watchdog import Watchdog
 
 _actor: Any = ray.remote  # Ray's stubs reject concurrency_groups
@@ -90,10 +91,10 @@ class Hosted:
         self.closed = threading.Event()
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.target(*args, **kwargs)
+        return pack(self.target(*unpack(args), **{k: unpack(v) for k, v in kwargs.items()}))
 
     def method(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return getattr(self.target, name)(*args, **kwargs)
+        return pack(getattr(self.target, name)(*unpack(args), **{k: unpack(v) for k, v in kwargs.items()}))
 
     def env(self) -> dict[str, str]:
         return {k: v for k, v in os.environ.items() if k.startswith(("CUDA_", "GPUFEED_"))}
@@ -105,3 +106,4 @@ class Hosted:
     def held(self) -> str:
         self.closed.wait()
         return ""
+
