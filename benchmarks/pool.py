@@ -8,6 +8,7 @@ Remote call: a small model (a 3-layer MLP, batch 1, CPU) called directly, then t
 `gpufeed.pool.remote` (a Ray actor on a 0.25 lease of the fake GPU, on loopback: arguments
 and result through Ray). Each round times `--calls` calls of each, the two taking turns; the
 overhead is the median over rounds of (remote - local) per call. Issue 18's goal: <= 0.8 ms.
+Beside it, Ray's floor on this machine: an empty actor call (an int there and back).
 
 Sharing: a CPU "job" (single-threaded matrix products for `--work` seconds' worth when alone)
 run under `gpufeed gpu run`'s machinery alone on a 0.5 lease, then two such jobs at once on two
@@ -58,18 +59,29 @@ def per_call(fn: Any, x: torch.Tensor, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+@ray.remote(num_cpus=0)
+class Echo:
+    """Ray's own floor: the cheapest actor call there is (an int there and back)."""
+
+    def call(self, x: int) -> int:
+        return x
+
+
 def remote_overhead(calls: int, rounds: int) -> dict[str, float]:
     local = model()
     x = torch.randn(1, 64)
+    echo = Echo.remote()
     with torch.no_grad(), remote(local, gpu=0.25, pool="bench") as hosted:
         assert torch.equal(hosted(x), local(x))
         per_call(hosted, x, 200)
-        local_s, remote_s = [], []
+        local_s, remote_s, floor_s = [], [], []
         for _ in range(rounds):
             local_s.append(per_call(local, x, calls))
             remote_s.append(per_call(hosted, x, calls))
+            floor_s.append(per_call(lambda i: ray.get(echo.call.remote(1)), x, calls))
     overhead = statistics.median(r - loc for r, loc in zip(remote_s, local_s, strict=True))
     return {
+        "ray_floor_ms": statistics.median(floor_s) * 1e3,
         "local_ms": statistics.median(local_s) * 1e3,
         "remote_ms": statistics.median(remote_s) * 1e3,
         "overhead_ms": overhead * 1e3,
@@ -126,7 +138,8 @@ def main() -> None:
         return
     call, share = results["remote_call"], results["sharing"]
     print(f"remote call, MLP batch 1: local {call['local_ms']:.3f} ms, remote {call['remote_ms']:.3f} ms, "
-          f"overhead {call['overhead_ms']:.3f} ms per call ({call['ratio']:.1f}x local; goal <= 0.8 ms over local)")
+          f"overhead {call['overhead_ms']:.3f} ms per call ({call['ratio']:.1f}x local; goal <= 0.8 ms over local); "
+          f"Ray's floor here (an empty actor call): {call['ray_floor_ms']:.3f} ms")
     print(f"sharing one fake GPU, 2 jobs x 0.5: alone {share['alone_s']:.2f} s, each of the pair {share['pair_s']:.2f} s "
           f"for the same work: efficiency {share['efficiency']:.2f} (1.0 = sharing is free, 0.5 = turns)")
 
