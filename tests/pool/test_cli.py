@@ -63,6 +63,12 @@ def test_run_waits_in_the_queue_with_a_status_line_then_runs(cluster: Cluster) -
     assert "gpu run: queued for 0.5 GPU x 1 node(s), team vision, priority 0: position 1 of 1, waiting for a GPU to free" in err
 
 
+def test_without_ray_the_pool_commands_say_how_to_get_it() -> None:
+    code = "import sys; sys.modules['ray'] = None; from gpufeed.cli.main import run; run()"
+    done = subprocess.run([sys.executable, "-c", code, "gpu", "status"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (1, "gpufeed: error: the GPU pool needs Ray: pip install 'gpufeed[pool]'\n")
+
+
 def test_status_json_shows_gpus_leases_queue_and_teams(cluster: Cluster) -> None:
     done = gpufeed("gpu", "status", "--json", "--address", cluster.address, "--pool", "kill")
     state = json.loads(done.stdout)

@@ -57,6 +57,10 @@ def test_a_job_runs_with_its_lease_in_its_environment(cluster: Cluster) -> None:
     assert status("env")["leases"] == []
     failed = run([sys.executable, "-c", "raise SystemExit(3)"], Request(0.5), pool="env", output=io.BytesIO())
     assert failed.exit_code == 3
+    killed = run(["sh", "-c", "kill -9 $$"], Request(0.5), pool="env", output=io.BytesIO())
+    assert killed.exit_code == 137 and status("env")["leases"] == []
+    missing = run(["no-such-command-here"], Request(0.5), pool="env", output=io.BytesIO())
+    assert missing.exit_code == 127 and missing.reason.startswith("cannot start 'no-such-command-here'")
 
 
 def test_an_idle_lease_is_reclaimed_and_freed(cluster: Cluster) -> None:

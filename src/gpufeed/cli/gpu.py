@@ -45,7 +45,7 @@ def run(
     waiting = _Waiting(request, quiet)
     outcome = run_leased(command, request, pool, on_wait=waiting)
     if outcome.reason:
-        raise PoolError(f"lease {outcome.lease['lease_id']}: command stopped: {outcome.reason} (exit {outcome.exit_code})")
+        raise PoolError(f"lease {outcome.lease['lease_id']}: {outcome.reason} (exit {outcome.exit_code})")
     raise typer.Exit(outcome.exit_code)
 
 

@@ -99,12 +99,12 @@ class Watchdog(threading.Thread):
             idle = meter.sample(time.monotonic(), cpu_seconds(pids), utilisation)
             self.report(idle)
             if self.idle_timeout and idle >= self.idle_timeout:
-                self.breach(f"idle for {idle:.1f} s (no {'GPU' if self.nvml else 'CPU'} work), reclaimed by policy")
+                self.breach(f"idle for {idle:.1f} s (no {'GPU' if self.nvml else 'CPU'} work): reclaimed by policy, command stopped")
                 return
             used = self._gpu_memory(set(pids))
             if self.memory_cap and used > self.memory_cap:
                 gib, cap = used / (1 << 30), self.memory_cap / (1 << 30)
-                self.breach(f"using {gib:.1f} GiB of GPU memory, over its lease of {cap:.1f} GiB")
+                self.breach(f"using {gib:.1f} GiB of GPU memory, over its lease of {cap:.1f} GiB: command stopped")
                 return
 
     def _gpu_memory(self, pids: set[int]) -> int:
