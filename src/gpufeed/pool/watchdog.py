@@ -99,7 +99,8 @@ class Watchdog(threading.Thread):
             idle = meter.sample(time.monotonic(), cpu_seconds(pids), utilisation)
             self.report(idle)
             if self.idle_timeout and idle >= self.idle_timeout:
-                self.breach(f"idle for {idle:.1f} s (no {'GPU' if self.nvml else 'CPU'} work): reclaimed by policy, command stopped")
+                work = "GPU" if self.nvml else "CPU"
+                self.breach(f"idle for {idle:.1f} s (no {work} work): reclaimed by policy, command stopped")
                 return
             used = self._gpu_memory(set(pids))
             if self.memory_cap and used > self.memory_cap:
