@@ -98,15 +98,21 @@ def test_aggregation_across_two_nodes_sets_a_working_ddp_environment(cluster: Cl
     assert len({p["node"] for p in outcome.lease["placements"]}) == 2
 
 
-def double(x: int) -> int:
-    return 2 * x
+class Doubler:
+    def __call__(self, x: int) -> int:
+        return 2 * x
+
+    def capped(self) -> bool:
+        """The lease's memory cap waits for CUDA to initialise in this process."""
+        return any("exec_and_cap" in f.__qualname__ or "install" in f.__qualname__ for f, _ in torch.cuda._queued_calls)
 
 
 def test_remote_runs_a_callable_on_a_pooled_gpu(cluster: Cluster) -> None:
-    with remote(double, gpu=0.25, mem="2GiB", pool="remote") as hosted:
+    with remote(Doubler(), gpu=0.25, mem="2GiB", pool="remote") as hosted:
         assert hosted(21) == 42
         doubled = hosted(torch.arange(3.0))
         assert isinstance(doubled, torch.Tensor) and doubled.tolist() == [0.0, 2.0, 4.0]
-        assert hosted.env()["CUDA_VISIBLE_DEVICES"] == "0"
+        assert hosted.env()["CUDA_VISIBLE_DEVICES"] == "0" and hosted.env()["GPUFEED_GPU_MEM_FRACTION"] == "0.125000"
+        assert hosted.method("capped")
         assert [ls["share"] for ls in status("remote")["leases"]] == [0.25]
     eventually(lambda: status("remote")["leases"] == [], "the remote lease to be released")

@@ -103,9 +103,13 @@ class Granted:
     def nodes(self) -> list[str]:
         return list(dict.fromkeys(p["node"] for p in self.lease["placements"]))
 
-    def env(self, node: str) -> dict[str, str]:
-        gpus = [(p["index"], p["share"], p["memory"], p["gpu_memory"]) for p in self.lease["placements"] if p["node"] == node]
-        return launcher.lease_env(gpus) | {"GPUFEED_LEASE": self.lease["lease_id"]}
+    def gpus(self, node: str) -> list[tuple[int, float, int, int]]:
+        """(index, share, leased bytes, GPU bytes) of each GPU the lease holds on `node`."""
+        return [(p["index"], p["share"], p["memory"], p["gpu_memory"]) for p in self.lease["placements"] if p["node"] == node]
+
+    def actor_env(self, node: str) -> dict[str, str]:
+        """The lease's variables for an actor's process (it applies the memory cap itself)."""
+        return launcher.lease_env(self.gpus(node), pythonpath=None) | {"GPUFEED_LEASE": self.lease["lease_id"]}
 
     def strategy(self, rank: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -192,7 +196,7 @@ def run(
         ]
         if not ray.get(granted.sched.started.remote(granted.lease["lease_id"], runners)):
             raise PoolError(f"lease {granted.lease['lease_id']} expired before its job started")
-        envs = [dict(os.environ) | granted.env(node) for node in granted.nodes]
+        envs = [dict(os.environ) | {"GPUFEED_LEASE": granted.lease["lease_id"]} for _ in granted.nodes]
         if len(runners) > 1:
             _distributed(ray, runners, envs)
         lock = threading.Lock()
@@ -200,9 +204,7 @@ def run(
 
         def pump(rank: int) -> None:
             prefix = f"[rank {rank}] ".encode() if rank else b""
-            gpus = [p["index"] for p in granted.lease["placements"] if p["node"] == granted.nodes[rank]]
-            memory = max(p["memory"] for p in granted.lease["placements"])
-            for ref in runners[rank].run.remote(argv, envs[rank], os.getcwd(), gpus, memory):
+            for ref in runners[rank].run.remote(argv, envs[rank], os.getcwd(), granted.gpus(granted.nodes[rank])):
                 item = ray.get(ref)
                 if isinstance(item, dict):
                     results[rank] = item

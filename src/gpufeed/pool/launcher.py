@@ -34,13 +34,18 @@ def mps_running() -> bool:
     return (pipe_dir / "control").exists()
 
 
-def lease_env(gpus: Sequence[tuple[int, float, int, int]], mps: bool | None = None) -> dict[str, str]:
-    """Environment for a job holding `gpus`: (index, share, leased bytes, GPU bytes) each."""
+def lease_env(
+    gpus: Sequence[tuple[int, float, int, int]], pythonpath: str | None = "", mps: bool | None = None
+) -> dict[str, str]:
+    """What to add to a job's environment on this node for holding `gpus` (index, share, leased
+    bytes, GPU bytes each): the shim goes first on the job's `pythonpath`; None leaves it out
+    (a Ray actor caps itself: `cap_this_process`)."""
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(index) for index, _, _, _ in gpus)}
     fraction = min(leased / total for _, _, leased, total in gpus)
     if fraction < 1:
         env["GPUFEED_GPU_MEM_FRACTION"] = f"{fraction:.6f}"
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH", "")) if p)
+        if pythonpath is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_DIR), pythonpath) if p)
     if mps_running() if mps is None else mps:
         share = min(share for _, share, _, _ in gpus)
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(share * 100)))
@@ -48,6 +53,18 @@ def lease_env(gpus: Sequence[tuple[int, float, int, int]], mps: bool | None = No
             f"{ordinal}={leased // MIB}M" for ordinal, (_, _, leased, _) in enumerate(gpus)
         )
     return env
+
+
+def cap_this_process() -> None:
+    """Apply the lease's PyTorch memory cap to this (already running) process, with the shim's code."""
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("gpufeed_pool_shim", SHIM_DIR / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    shim = module_from_spec(spec)
+    spec.loader.exec_module(shim)
+    if shim.leased_fraction():
+        shim.install(shim.leased_fraction())
 
 
 def _die_with_parent() -> None:

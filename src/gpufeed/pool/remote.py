@@ -60,7 +60,7 @@ def remote(
         actor = Hosted.options(  # type: ignore[attr-defined]
             resources=granted.bundle(node),
             scheduling_strategy=granted.strategy(0),
-            runtime_env={"env_vars": granted.env(node)},
+            runtime_env={"env_vars": granted.actor_env(node)},
         ).remote(target)
         stack.callback(_ray().kill, actor)
         _ray().get(granted.sched.started.remote(granted.lease["lease_id"], [actor]))

@@ -42,9 +42,10 @@ class JobRunner:
             s.bind(("", 0))
             return int(s.getsockname()[1])
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: str, gpus: list[int], memory: int) -> Iterator[Any]:
-        """Runs `argv` in `env` (the whole environment); yields its output line by line, then
-        `{"exit": code, "reason": why it was stopped}`."""
+    def run(self, argv: list[str], env: dict[str, str], cwd: str, gpus: list[tuple[int, float, int, int]]) -> Iterator[Any]:
+        """Runs `argv` in `env` plus the lease on this node's `gpus` (index, share, leased bytes, GPU
+        bytes each); yields its output line by line, then `{"exit": code, "reason": why stopped}`."""
+        env = env | launcher.lease_env(gpus, env.get("PYTHONPATH", ""))
         try:
             self.proc = launcher.spawn(argv, env, cwd)
         except OSError as exc:
@@ -52,7 +53,7 @@ class JobRunner:
             self.done.set()
             yield {"exit": 127, "reason": self.reason}
             return
-        dog = Watchdog(self.proc.pid, gpus, memory, self.idle_timeout, self._report, self.stop)
+        dog = Watchdog(self.proc.pid, [g[0] for g in gpus], max(g[2] for g in gpus), self.idle_timeout, self._report, self.stop)
         dog.start()
         try:
             assert self.proc.stdout is not None
@@ -87,6 +88,7 @@ class Hosted:
     """A callable (a function, or a model: any object with `__call__`) kept on a leased GPU."""
 
     def __init__(self, target: Any) -> None:
+        launcher.cap_this_process()
         self.target = target
         self.closed = threading.Event()
 

@@ -2,7 +2,8 @@
 
 On `PYTHONPATH` only for leased jobs (`gpufeed.pool.launcher`). When the job imports torch, the
 cap (`GPUFEED_GPU_MEM_FRACTION` of each visible GPU) is queued to run as CUDA initialises, so a
-job that never uses CUDA pays nothing. Any other `sitecustomize` on the path still runs.
+job that never uses CUDA pays nothing. Any other `sitecustomize` on the path still runs. It
+imports nothing of gpufeed: the job may run in another Python environment.
 """
 
 from __future__ import annotations
@@ -44,13 +45,22 @@ class _TorchHook(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _install() -> None:
+def install(fraction: float) -> None:
+    """Cap this process: now if torch is loaded (queued until CUDA initialises), else once it is."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.cuda._lazy_call(lambda: gpufeed_memory_cap(torch, fraction))
+    else:
+        sys.meta_path.insert(0, _TorchHook(fraction))
+
+
+def leased_fraction() -> float:
+    """`GPUFEED_GPU_MEM_FRACTION` when it caps anything (0 < f < 1), else 0."""
     try:
         fraction = float(os.environ.get("GPUFEED_GPU_MEM_FRACTION") or 0)
     except ValueError:
-        return
-    if 0 < fraction < 1 and "torch" not in sys.modules:
-        sys.meta_path.insert(0, _TorchHook(fraction))
+        return 0.0
+    return fraction if 0 < fraction < 1 else 0.0
 
 
 def _chain() -> None:
@@ -68,5 +78,7 @@ def _chain() -> None:
         sys.modules.setdefault(__name__, me)
 
 
-_install()
-_chain()
+if __name__ == "sitecustomize":  # loaded by the interpreter at start, not by `launcher.cap_this_process`
+    if leased_fraction():
+        install(leased_fraction())
+    _chain()
