@@ -1,6 +1,7 @@
-"""One local two-node Ray cluster for the whole pool suite (Ray takes seconds to start on two
-cores): each node declares one fake 16 GiB GPU as the pool's custom resources. Tests use their
-own pool names, so each gets a fresh scheduler, and release what they lease."""
+"""One local two-node Ray cluster for the pool's tests (Ray takes seconds to start on two cores),
+stopped when they are done, before the rest of the suite runs: each node declares one fake 16 GiB
+GPU as the pool's custom resources. Tests use their own pool names, so each gets a fresh
+scheduler, and release what they lease."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ GIB = 1 << 30
 T = TypeVar("T")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster() -> Iterator[Cluster]:
     gpu = inventory.resources(inventory.fake(1, 16 * GIB))
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": gpu, "include_dashboard": False})
