@@ -69,11 +69,15 @@ def test_without_ray_the_pool_commands_say_how_to_get_it() -> None:
     assert (done.returncode, done.stderr) == (1, "gpufeed: error: the GPU pool needs Ray: pip install 'gpufeed[pool]'\n")
 
 
-def test_status_json_shows_gpus_leases_queue_and_teams(cluster: Cluster) -> None:
-    done = gpufeed("gpu", "status", "--json", "--address", cluster.address, "--pool", "kill")
+def test_status_shows_gpus_leases_queue_and_teams(cluster: Cluster) -> None:
+    with lease(Request(0.5, team="vision"), pool="status"):
+        done = gpufeed("gpu", "status", "--json", "--address", cluster.address, "--pool", "status")
+        table = gpufeed("gpu", "status", "--address", cluster.address, "--pool", "status")
     state = json.loads(done.stdout)
     assert done.returncode == 0 and set(state) == {"gpus", "leases", "queue", "teams", "idle_timeout"}
-    assert [(g["free_share"], g["memory"]) for g in state["gpus"]] == [(1.0, 16 << 30)] * 2
+    assert sorted((g["free_share"], g["memory"]) for g in state["gpus"]) == [(0.5, 16 << 30), (1.0, 16 << 30)]
+    assert [(ls["team"], ls["share"], ls["started"]) for ls in state["leases"]] == [("vision", 0.5, False)]
+    assert table.returncode == 0 and all(title in table.stdout for title in ("GPUs", "Leases", "Queue", "Teams", "vision"))
 
 
 def test_bad_input_is_one_clear_line(cluster: Cluster) -> None:
