@@ -92,12 +92,13 @@ def _table(state: dict[str, Any]) -> None:
     for g in state["gpus"]:
         gpus.add_row(g["node"][:12], str(g["index"]), human_bytes(g["memory"]), f"{g['free_share']:g}",
                      human_bytes(g["free_memory"]), " ".join(g["leases"]) or "-")
-    leases = Table("lease", "team", "priority", "gpus", "memory", "age", "idle", title="Leases", title_justify="left")
+    leases = Table("lease", "team", "priority", "gpus", "memory", "used", "age", "idle", title="Leases", title_justify="left")
     for ls in state["leases"]:
         where = " ".join(f"{p['node'][:8]}:{p['index']}@{p['share']:g}" for p in ls["placements"])
         memory = human_bytes(sum(p["memory"] for p in ls["placements"]))
         age, idle = f"{ls['age']:.0f} s", f"{ls['idle_seconds']:.0f} s"
-        leases.add_row(ls["lease_id"], ls["team"], str(ls["priority"]), where, memory, age, idle)
+        used = human_bytes(ls["memory_used"]) if ls["memory_used"] else "-"
+        leases.add_row(ls["lease_id"], ls["team"], str(ls["priority"]), where, memory, used, age, idle)
     queue = Table("pos", "team", "priority", "gpu", "nodes", "waiting", "why", title="Queue", title_justify="left")
     for w in state["queue"]:
         waited = f"{w['waiting']:.0f} s"

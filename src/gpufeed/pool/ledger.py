@@ -66,7 +66,7 @@ class Lease:
     granted_at: float
     started_at: float = 0.0
     idle_seconds: float = 0.0
-    reason: str = ""
+    memory_used: int = 0
 
 
 @dataclass

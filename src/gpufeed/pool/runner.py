@@ -67,8 +67,8 @@ class JobRunner:
             self.done.set()
         yield {"exit": code, "reason": self.reason}
 
-    def _report(self, idle: float) -> None:
-        self.scheduler.report.remote(self.lease_id, idle)
+    def _report(self, idle: float, memory_used: int) -> None:
+        self.scheduler.report.remote(self.lease_id, idle, memory_used)
 
     def stop(self, reason: str) -> None:
         """End the command (SIGTERM, then SIGKILL after the grace period), saying why."""

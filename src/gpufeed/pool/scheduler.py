@@ -91,10 +91,11 @@ class PoolScheduler:
         self.seen.pop(ticket, None)
         self._tick()
 
-    async def report(self, lease_id: str, idle_seconds: float) -> None:
+    async def report(self, lease_id: str, idle_seconds: float, memory_used: int = 0) -> None:
+        """A lease's watchdog: seconds idle, GPU memory its processes use (NVML; 0 without)."""
         lease = self.ledger.leases.get(lease_id)
         if lease is not None:
-            lease.idle_seconds = idle_seconds
+            lease.idle_seconds, lease.memory_used = idle_seconds, memory_used
 
     async def status(self) -> dict[str, Any]:
         self._start()
@@ -199,6 +200,7 @@ def _lease_dict(lease: Lease, ledger: Ledger) -> dict[str, Any]:
         "placements": [asdict(p) | {"gpu_memory": _gpu_memory(ledger, p)} for p in lease.placements],
         "started": bool(lease.started_at),
         "idle_seconds": lease.idle_seconds,
+        "memory_used": lease.memory_used,
     }
 
 

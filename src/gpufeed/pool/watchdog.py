@@ -72,8 +72,9 @@ class IdleMeter:
 
 
 class Watchdog(threading.Thread):
-    """Samples every `interval`; calls `report(idle_seconds)`, and `breach(reason)` once when the
-    job is idle for `idle_timeout` (0: never) or over `memory_cap` bytes of GPU memory (NVML)."""
+    """Samples every `interval`; calls `report(idle_seconds, gpu_memory_bytes)` (memory: NVML, else
+    0), and `breach(reason)` once when the job is idle for `idle_timeout` (0: never) or over
+    `memory_cap` bytes of GPU memory."""
 
     def __init__(
         self,
@@ -81,7 +82,7 @@ class Watchdog(threading.Thread):
         gpus: Sequence[int],
         memory_cap: int,
         idle_timeout: float,
-        report: Callable[[float], None],
+        report: Callable[[float, int], None],
         breach: Callable[[str], None],
         interval: float = 0.5,
     ) -> None:
@@ -97,12 +98,12 @@ class Watchdog(threading.Thread):
             pids = process_tree(self.pid)
             utilisation = max((inventory.utilisation(i) or 0.0) for i in self.gpus) if self.nvml and self.gpus else None
             idle = meter.sample(time.monotonic(), cpu_seconds(pids), utilisation)
-            self.report(idle)
+            used = self._gpu_memory(set(pids))
+            self.report(idle, used)
             if self.idle_timeout and idle >= self.idle_timeout:
                 work = "GPU" if self.nvml else "CPU"
                 self.breach(f"idle for {idle:.1f} s (no {work} work): reclaimed by policy, command stopped")
                 return
-            used = self._gpu_memory(set(pids))
             if self.memory_cap and used > self.memory_cap:
                 gib, cap = used / (1 << 30), self.memory_cap / (1 << 30)
                 self.breach(f"using {gib:.1f} GiB of GPU memory, over its lease of {cap:.1f} GiB: command stopped")
