@@ -5,6 +5,7 @@ scheduler, and release what they lease."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -43,3 +44,15 @@ def eventually(probe: Callable[[], T | None], what: str, timeout: float = 20.0) 
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def running(marker: str) -> bool:
+    """Some process's command line contains `marker`."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    return True
+        except OSError:
+            continue
+    return False

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,23 +12,11 @@ from ray.cluster_utils import Cluster
 from gpufeed.bench.children import free_port
 from gpufeed.pool.client import lease, status
 from gpufeed.pool.ledger import Request
-from tests.pool.conftest import eventually
+from tests.pool.conftest import eventually, running
 
 
 def gpufeed(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gpufeed", *args], capture_output=True, text=True, timeout=120)
-
-
-def running(marker: str) -> bool:
-    """Some process's command line contains `marker`."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 def test_kill_9_of_a_job_frees_its_lease_and_stops_its_command(cluster: Cluster) -> None:

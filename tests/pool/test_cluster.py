@@ -4,6 +4,8 @@ lease environment, idle reclaim, aggregation with a working DDP environment, rem
 from __future__ import annotations
 
 import io
+import os
+import signal
 import sys
 from contextlib import ExitStack
 
@@ -14,7 +16,7 @@ from ray.cluster_utils import Cluster
 from gpufeed.pool import remote
 from gpufeed.pool.client import lease, run, scheduler, status
 from gpufeed.pool.ledger import Request
-from tests.pool.conftest import GIB, eventually
+from tests.pool.conftest import GIB, eventually, running
 
 
 def test_two_halves_share_a_gpu_a_whole_takes_the_other_and_a_third_half_queues(cluster: Cluster) -> None:
@@ -61,6 +63,23 @@ def test_a_job_runs_with_its_lease_in_its_environment(cluster: Cluster) -> None:
     assert killed.exit_code == 137 and status("env")["leases"] == []
     missing = run(["no-such-command-here"], Request(0.5), pool="env", output=io.BytesIO())
     assert missing.exit_code == 127 and missing.reason.startswith("cannot start 'no-such-command-here'")
+
+
+class KillsTheRunner(io.BytesIO):
+    """An output sink that SIGKILLs the process named by the first line (the job's runner)."""
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        if not self.getvalue():
+            os.kill(int(data), signal.SIGKILL)
+        return super().write(data)
+
+
+def test_a_lost_runner_frees_the_lease_and_its_command_dies_with_it(cluster: Cluster) -> None:
+    job = ["sh", "-c", "echo $PPID; exec sleep 62.5"]  # sh's parent is the runner's worker process
+    outcome = run(job, Request(0.5), pool="lost", output=KillsTheRunner())
+    assert outcome.exit_code == 1 and outcome.reason.startswith("rank 0's runner was lost")
+    eventually(lambda: status("lost")["leases"] == [], "the lost runner's lease to be freed")
+    eventually(lambda: not running("62.5"), "the command to die with its runner")
 
 
 def test_an_idle_lease_is_reclaimed_and_freed(cluster: Cluster) -> None:

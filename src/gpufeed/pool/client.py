@@ -204,14 +204,17 @@ def run(
 
         def pump(rank: int) -> None:
             prefix = f"[rank {rank}] ".encode() if rank else b""
-            for ref in runners[rank].run.remote(argv, envs[rank], os.getcwd(), granted.gpus(granted.nodes[rank])):
-                item = ray.get(ref)
-                if isinstance(item, dict):
-                    results[rank] = item
-                    continue
-                with lock:
-                    sink.write(prefix + item)
-                    sink.flush()
+            try:
+                for ref in runners[rank].run.remote(argv, envs[rank], os.getcwd(), granted.gpus(granted.nodes[rank])):
+                    item = ray.get(ref)
+                    if isinstance(item, dict):
+                        results[rank] = item
+                        continue
+                    with lock:
+                        sink.write(prefix + item)
+                        sink.flush()
+            except ray.exceptions.RayError as exc:  # its node was lost, or Ray killed the runner
+                results[rank] = {"exit": 1, "reason": f"rank {rank}'s runner was lost ({type(exc).__name__})"}
 
         threads = [threading.Thread(target=pump, args=(rank,), daemon=True) for rank in range(1, len(runners))]
         for thread in threads:
