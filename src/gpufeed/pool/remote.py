@@ -60,8 +60,7 @@ def remote(
         actor = Hosted.options(  # type: ignore[attr-defined]
             resources=granted.bundle(node),
             scheduling_strategy=granted.strategy(0),
-            runtime_env={"env_vars": granted.actor_env(node)},
-        ).remote(target)
+        ).remote(target, granted.actor_env(node))
         stack.callback(_ray().kill, actor)
         _ray().get(granted.sched.started.remote(granted.lease["lease_id"], [actor]))
     except BaseException:

@@ -87,7 +87,10 @@ class JobRunner:
 class Hosted:
     """A callable (a function, or a model: any object with `__call__`) kept on a leased GPU."""
 
-    def __init__(self, target: Any) -> None:
+    def __init__(self, target: Any, env: dict[str, str]) -> None:
+        """`env`: the lease's variables, set before anything here initialises CUDA (unpickling
+        `target` may import torch, never initialise CUDA on its own)."""
+        os.environ.update(env)
         launcher.cap_this_process()
         self.target = target
         self.closed = threading.Event()
