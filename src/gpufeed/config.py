@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
@@ -66,8 +66,8 @@ class Settings:
     debug: `GPUFEED_DEBUG=1` (or `gpufeed --debug`): logged errors carry their tracebacks.
     progress_interval: seconds between the plain progress lines a long command writes when
         stderr is not a terminal (`GPUFEED_PROGRESS_INTERVAL`, 5).
-    pool_quotas: `GPUFEED_POOL_QUOTAS`, GPUs each team may hold in the GPU pool, `team=2,other=0.5`;
-        read when a pool's scheduler is first created.
+    pool_quotas: `GPUFEED_POOL_QUOTAS`, GPUs each team may hold in the GPU pool, `team=2,other=0.5`,
+        as (team, GPUs) pairs (the settings stay hashable); read when a pool's scheduler is first created.
     pool_idle_timeout: seconds a GPU lease may stay idle before it is reclaimed
         (`GPUFEED_POOL_IDLE_TIMEOUT`, 1800; 0 never reclaims).
     """
@@ -88,7 +88,7 @@ class Settings:
     log_format: str = "text"
     debug: bool = False
     progress_interval: float = 5.0
-    pool_quotas: dict[str, float] = field(default_factory=dict)
+    pool_quotas: tuple[tuple[str, float], ...] = ()
     pool_idle_timeout: float = 1800.0
 
     @classmethod
@@ -112,7 +112,7 @@ class Settings:
             log_format=_checked(os.environ.get("GPUFEED_LOG_FORMAT") or "text", parse_log_format, "GPUFEED_LOG_FORMAT"),
             debug=os.environ.get("GPUFEED_DEBUG") == "1",
             progress_interval=_float_env("GPUFEED_PROGRESS_INTERVAL", 5.0),
-            pool_quotas=parse_quotas(os.environ.get("GPUFEED_POOL_QUOTAS", ""), "GPUFEED_POOL_QUOTAS"),
+            pool_quotas=tuple(parse_quotas(os.environ.get("GPUFEED_POOL_QUOTAS", ""), "GPUFEED_POOL_QUOTAS").items()),
             pool_idle_timeout=_float_env("GPUFEED_POOL_IDLE_TIMEOUT", 1800.0),
         )
 

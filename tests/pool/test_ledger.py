@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+from gpufeed.config import Settings
+from gpufeed.errors import InvalidArgument
 from gpufeed.pool.inventory import Gpu, booking, fake, from_resources, resources
 from gpufeed.pool.ledger import Ledger, Request
 from gpufeed.pool.placement import cached_first
@@ -102,3 +106,14 @@ def test_inventory_round_trips_through_ray_resources() -> None:
     assert declared == {"gpufeed_gpu_0": 1.0, "gpufeed_gpu_0_mem": 16384.0, "gpufeed_gpu_1": 1.0, "gpufeed_gpu_1_mem": 16384.0}
     assert [g.memory for g in from_resources("n", declared | {"CPU": 2.0})] == [16 * GIB, 16 * GIB]
     assert booking(1, 0.5, GIB + 1) == {"gpufeed_gpu_1": 0.5, "gpufeed_gpu_1_mem": 1025.0}
+
+
+def test_quotas_and_idle_timeout_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFEED_POOL_QUOTAS", "vision=2, nlp=0.5")
+    monkeypatch.setenv("GPUFEED_POOL_IDLE_TIMEOUT", "60")
+    settings = Settings.from_env()
+    assert (dict(settings.pool_quotas), settings.pool_idle_timeout) == ({"vision": 2.0, "nlp": 0.5}, 60.0)
+    with monkeypatch.context() as bad:  # undone before other fixtures read the settings again
+        bad.setenv("GPUFEED_POOL_QUOTAS", "vision=two")
+        with pytest.raises(InvalidArgument, match="GPUFEED_POOL_QUOTAS='vision=two': expected TEAM=GPUS"):
+            Settings.from_env()

@@ -75,7 +75,7 @@ def scheduler(pool: str = "default", quotas: dict[str, float] | None = None, idl
     return PoolScheduler.options(  # type: ignore[attr-defined]
         name=actor_name(pool), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
     ).remote(
-        settings.pool_quotas if quotas is None else quotas,
+        dict(settings.pool_quotas) if quotas is None else quotas,
         settings.pool_idle_timeout if idle_timeout is None else idle_timeout,
     )
 
