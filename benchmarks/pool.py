@@ -6,8 +6,9 @@ Starts a one-node Ray cluster on this machine that declares one fake GPU (no GPU
 
 Remote call: a small model (a 3-layer MLP, batch 1, CPU) called directly, then through
 `gpufeed.pool.remote` (a Ray actor on a 0.25 lease of the fake GPU, on loopback: arguments
-and result through Ray). Each round times `--calls` calls of each, the two taking turns; the
-overhead is the median over rounds of (remote - local) per call. Issue 18's goal: <= 0.8 ms.
+and result through Ray), once with one actor call per call and once with `compiled=True` (a Ray
+compiled graph). Each round times `--calls` calls of each, taking turns; the overhead is the
+median over rounds of (remote - local) per call. Issue 18's goal: <= 0.8 ms.
 Beside it, Ray's floor on this machine: an empty actor call (an int there and back).
 
 Sharing: a CPU "job" (single-threaded matrix products for `--work` seconds' worth when alone)
@@ -67,11 +68,11 @@ class Echo:
         return x
 
 
-def remote_overhead(calls: int, rounds: int) -> dict[str, float]:
+def remote_overhead(calls: int, rounds: int, compiled: bool) -> dict[str, float]:
     local = model()
     x = torch.randn(1, 64)
     echo = Echo.remote()
-    with torch.no_grad(), remote(local, gpu=0.25, pool="bench") as hosted:
+    with torch.no_grad(), remote(local, gpu=0.25, pool="bench", compiled=compiled) as hosted:
         assert torch.equal(hosted(x), local(x))
         per_call(hosted, x, 200)
         local_s, remote_s, floor_s = [], [], []
@@ -79,6 +80,7 @@ def remote_overhead(calls: int, rounds: int) -> dict[str, float]:
             local_s.append(per_call(local, x, calls))
             remote_s.append(per_call(hosted, x, calls))
             floor_s.append(per_call(lambda i: ray.get(echo.call.remote(1)), x, calls))
+    ray.kill(echo)
     overhead = statistics.median(r - loc for r, loc in zip(remote_s, local_s, strict=True))
     return {
         "ray_floor_ms": statistics.median(floor_s) * 1e3,
@@ -130,16 +132,22 @@ def main() -> None:
              namespace="gpufeed", log_to_driver=False, logging_level="WARNING")
     try:
         connect()
-        results = {"remote_call": remote_overhead(args.calls, args.rounds), "sharing": sharing(args.work)}
+        results = {
+            "remote_call": remote_overhead(args.calls, args.rounds, compiled=False),
+            "remote_call_compiled": remote_overhead(args.calls, args.rounds, compiled=True),
+            "sharing": sharing(args.work),
+        }
     finally:
         ray.shutdown()
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    call, share = results["remote_call"], results["sharing"]
-    print(f"remote call, MLP batch 1: local {call['local_ms']:.3f} ms, remote {call['remote_ms']:.3f} ms, "
-          f"overhead {call['overhead_ms']:.3f} ms per call ({call['ratio']:.1f}x local; goal <= 0.8 ms over local); "
-          f"Ray's floor here (an empty actor call): {call['ray_floor_ms']:.3f} ms")
+    for key, how in (("remote_call", "actor calls"), ("remote_call_compiled", "compiled graph")):
+        call = results[key]
+        print(f"remote call ({how}), MLP batch 1: local {call['local_ms']:.3f} ms, remote {call['remote_ms']:.3f} ms, "
+              f"overhead {call['overhead_ms']:.3f} ms per call ({call['ratio']:.1f}x local; goal <= 0.8 ms over local); "
+              f"Ray's floor here (an empty actor call): {call['ray_floor_ms']:.3f} ms")
+    share = results["sharing"]
     print(f"sharing one fake GPU, 2 jobs x 0.5: alone {share['alone_s']:.2f} s, each of the pair {share['pair_s']:.2f} s "
           f"for the same work: efficiency {share['efficiency']:.2f} (1.0 = sharing is free, 0.5 = turns)")
 

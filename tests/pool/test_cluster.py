@@ -9,6 +9,7 @@ import signal
 import sys
 from contextlib import ExitStack
 
+import pytest
 import ray
 import torch
 from ray.cluster_utils import Cluster
@@ -135,3 +136,12 @@ def test_remote_runs_a_callable_on_a_pooled_gpu(cluster: Cluster) -> None:
         assert hosted.method("capped")
         assert [ls["share"] for ls in status("remote")["leases"]] == [0.25]
     eventually(lambda: status("remote")["leases"] == [], "the remote lease to be released")
+
+
+def test_remote_calls_through_a_compiled_graph(cluster: Cluster) -> None:
+    with remote(Doubler(), gpu=0.25, pool="compiled", compiled=True) as hosted:
+        assert hosted(21) == 42 and hosted(torch.ones(2)).tolist() == [2.0, 2.0]
+        with pytest.raises(TypeError):
+            hosted(None)
+        assert hosted(1) == 2 and hosted.method("capped")  # other methods still answer beside the graph
+    eventually(lambda: status("compiled")["leases"] == [], "the compiled remote lease to be released")

@@ -98,6 +98,10 @@ class Hosted:
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return pack(self.target(*unpack(args), **{k: unpack(v) for k, v in kwargs.items()}))
 
+    def call_packed(self, packed: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        """`call` as a compiled graph's one input (`remote(..., compiled=True)`)."""
+        return self.call(*packed)
+
     def method(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return pack(getattr(self.target, name)(*unpack(args), **{k: unpack(v) for k, v in kwargs.items()}))
 
