@@ -3,8 +3,8 @@ gpufeed agent holds most of the job's dataset cached.
 
 The per-node cached fraction comes from the cluster (the cluster issue, not built yet: today each
 agent knows only its own cache). Until then the pool runs with no hook and packs GPUs; once the
-cluster can answer `cached(dataset) -> {node_id: fraction}`, `cached_first(cached)` is the hook to
-pass to the scheduler (`PoolScheduler(..., order=...)` via `Ledger.order`).
+cluster can answer `cached(dataset) -> {node_id: fraction}`, the scheduler sets
+`cached_first(cached)` as its ledger's `order`, and `Request.dataset` carries the job's dataset.
 """
 
 from __future__ import annotations
