@@ -75,6 +75,10 @@ class Settings:
     replicas: `GPUFEED_CLUSTER_REPLICAS`, owners per block (1; 2 to fail over without the store).
     node_weight: `GPUFEED_NODE_WEIGHT`, this node's share of ownership relative to others (1).
     node_id: `GPUFEED_NODE_ID`, default HOSTNAME@ADVERTISED-ADDRESS.
+    pool_quotas: `GPUFEED_POOL_QUOTAS`, GPUs each team may hold in the GPU pool, `team=2,other=0.5`,
+        as (team, GPUs) pairs (the settings stay hashable); read when a pool's scheduler is first created.
+    pool_idle_timeout: seconds a GPU lease may stay idle before it is reclaimed
+        (`GPUFEED_POOL_IDLE_TIMEOUT`, 1800; 0 never reclaims).
     """
 
     home: Path
@@ -99,6 +103,8 @@ class Settings:
     replicas: int = 1
     node_weight: float = 1.0
     node_id: str = ""
+    pool_quotas: tuple[tuple[str, float], ...] = ()
+    pool_idle_timeout: float = 1800.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -127,6 +133,8 @@ class Settings:
             replicas=int(_float_env("GPUFEED_CLUSTER_REPLICAS", 1)),
             node_weight=_float_env("GPUFEED_NODE_WEIGHT", 1.0),
             node_id=os.environ.get("GPUFEED_NODE_ID", ""),
+            pool_quotas=tuple(parse_quotas(os.environ.get("GPUFEED_POOL_QUOTAS", ""), "GPUFEED_POOL_QUOTAS").items()),
+            pool_idle_timeout=_float_env("GPUFEED_POOL_IDLE_TIMEOUT", 1800.0),
         )
 
 
@@ -206,3 +214,17 @@ def parse_verify(text: str, what: str = "verify") -> bool:
     from gpufeed.errors import InvalidArgument
 
     raise InvalidArgument(f"{what}={text!r}: expected always or never")
+
+
+def parse_quotas(text: str, what: str = "quotas") -> dict[str, float]:
+    """'team=2,other=0.5' → {"team": 2.0, "other": 0.5}: GPUs each team may hold."""
+    quotas: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        team, _, value = item.partition("=")
+        try:
+            quotas[team.strip()] = float(value)
+        except ValueError:
+            from gpufeed.errors import InvalidArgument
+
+            raise InvalidArgument(f"{what}={text!r}: expected TEAM=GPUS[,TEAM=GPUS], e.g. vision=2,nlp=0.5") from None
+    return quotas

@@ -92,6 +92,12 @@ class PackError(GpufeedError):
     code = "pack"
 
 
+class PoolError(GpufeedError):
+    """The GPU pool cannot serve: no Ray cluster, no Ray installed, a lease lost or reclaimed."""
+
+    code = "pool"
+
+
 def _codes(cls: type[GpufeedError]) -> dict[str, type[GpufeedError]]:
     """Code → the class that defines it: a subclass that only inherits its parent's code (the
     torch index's IndexOutOfRange, an InvalidArgument) never takes the code over."""

@@ -8,7 +8,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
-from gpufeed.cli import agent, bench, cache, cluster, demo, files, fuse, metrics, mount, pack, top, verify, warmup
+from gpufeed.cli import agent, bench, cache, cluster, demo, files, fuse, gpu, metrics, mount, pack, top, verify, warmup
 from gpufeed.cli.console import err, out
 from gpufeed.errors import GpufeedError
 
@@ -70,6 +70,7 @@ app.command("demo")(demo.demo)
 app.command("metrics")(metrics.metrics)
 app.command("top")(top.top)
 app.command("fuse")(fuse.fuse)
+app.add_typer(gpu.app, name="gpu")
 files.register(app)
 
 

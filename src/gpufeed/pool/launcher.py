@@ -1,0 +1,100 @@
+"""Start a leased command with the lease enforced as far as the platform allows.
+
+- `CUDA_VISIBLE_DEVICES`: the job sees only its GPUs (every CUDA program honours it).
+- Memory cap, PyTorch only: `GPUFEED_GPU_MEM_FRACTION` and the `shim/` directory first on
+  `PYTHONPATH`. Its `sitecustomize` queues `torch.cuda.set_per_process_memory_fraction` to run
+  when the job first initialises CUDA (`torch.cuda._lazy_call`), so the cap holds in every Python
+  process the job starts (DataLoader workers, torchrun ranks) without touching the job's code and
+  without initialising CUDA early; then it runs any other `sitecustomize` on the path. Chosen over
+  `PYTHONSTARTUP` (interactive sessions only) and over an env the job must read (opt-in).
+- MPS limits: `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, only when
+  an MPS control daemon runs on the node (the driver ignores them otherwise).
+- The command runs in its own session and dies with the runner (`PR_SET_PDEATHSIG`), so a killed
+  runner does not leave it holding the GPU; `stop` ends its whole process group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from gpufeed.pool.inventory import MIB
+
+SHIM_DIR = Path(__file__).with_name("shim")
+_PR_SET_PDEATHSIG = 1
+
+
+def mps_running() -> bool:
+    """An MPS control daemon listens in its pipe directory."""
+    pipe_dir = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
+    return (pipe_dir / "control").exists()
+
+
+def lease_env(
+    gpus: Sequence[tuple[int, float, int, int]], pythonpath: str | None = "", mps: bool | None = None
+) -> dict[str, str]:
+    """What to add to a job's environment on this node for holding `gpus` (index, share, leased
+    bytes, GPU bytes each): the shim goes first on the job's `pythonpath`; None leaves it out
+    (a Ray actor caps itself: `cap_this_process`)."""
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(index) for index, _, _, _ in gpus)}
+    fraction = min(leased / total for _, _, leased, total in gpus)
+    if fraction < 1:
+        env["GPUFEED_GPU_MEM_FRACTION"] = f"{fraction:.6f}"
+        if pythonpath is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM_DIR), pythonpath) if p)
+    if mps_running() if mps is None else mps:
+        share = min(share for _, share, _, _ in gpus)
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(share * 100)))
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
+            f"{ordinal}={leased // MIB}M" for ordinal, (_, _, leased, _) in enumerate(gpus)
+        )
+    return env
+
+
+def cap_this_process() -> None:
+    """Apply the lease's PyTorch memory cap to this (already running) process, with the shim's code."""
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("gpufeed_pool_shim", SHIM_DIR / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    shim = module_from_spec(spec)
+    spec.loader.exec_module(shim)
+    if shim.leased_fraction():
+        shim.install(shim.leased_fraction())
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def spawn(argv: Sequence[str], env: dict[str, str], cwd: str | None = None) -> subprocess.Popen[bytes]:
+    """The command, stdout and stderr merged into one pipe for the runner to stream."""
+    return subprocess.Popen(
+        list(argv),
+        env=env,
+        cwd=cwd if cwd and os.path.isdir(cwd) else None,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM to the command's process group, SIGKILL after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

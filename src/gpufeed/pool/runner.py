@@ -1,0 +1,118 @@
+"""Ray actors that hold a lease on its node: `JobRunner` runs a command there, `Hosted` keeps a
+callable or model there for `remote`. Each books the lease's GPU resources inside the lease's
+placement group, so the lease lives exactly as long as the actor: when its owner (the `gpufeed gpu
+run` process, or the Python driver) dies, Ray kills the actor, frees the resources, and the
+scheduler's watch on `held` fails at once and frees the lease."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+
+from gpufeed.pool import launcher
+from gpufeed.pool.codec import pack, unpack
+from gpufeed.pool.watchdog import Watchdog
+
+_actor: Any = ray.remote  # Ray's stubs reject concurrency_groups
+
+WATCH = {"watch": 1}
+
+
+@_actor(num_cpus=0, concurrency_groups=WATCH)
+class JobRunner:
+    """Runs one command for one lease on this node and streams its output back."""
+
+    def __init__(self, lease_id: str, scheduler: Any, idle_timeout: float, grace: float) -> None:
+        self.lease_id, self.scheduler, self.idle_timeout, self.grace = lease_id, scheduler, idle_timeout, grace
+        self.done = threading.Event()
+        self.reason = ""
+        self.proc: Any = None
+
+    def node(self) -> tuple[str, str]:
+        """(node id, address) of the node this runner is on."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: str, gpus: list[tuple[int, float, int, int]]) -> Iterator[Any]:
+        """Runs `argv` in `env` plus the lease on this node's `gpus` (index, share, leased bytes, GPU
+        bytes each); yields its output line by line, then `{"exit": code, "reason": why stopped}`."""
+        env = env | launcher.lease_env(gpus, env.get("PYTHONPATH", ""))
+        try:
+            self.proc = launcher.spawn(argv, env, cwd)
+        except OSError as exc:
+            self.reason = f"cannot start {argv[0]!r}: {exc.strerror or exc}"
+            self.done.set()
+            yield {"exit": 127, "reason": self.reason}
+            return
+        dog = Watchdog(self.proc.pid, [g[0] for g in gpus], max(g[2] for g in gpus), self.idle_timeout, self._report, self.stop)
+        dog.start()
+        try:
+            assert self.proc.stdout is not None
+            while line := self.proc.stdout.readline():  # a generator Ray streams: no `yield from`
+                yield line
+            code = self.proc.wait()
+        finally:
+            dog.finished.set()
+            if self.proc.poll() is None:
+                launcher.stop(self.proc, self.grace)
+            self.done.set()
+        yield {"exit": code, "reason": self.reason}
+
+    def _report(self, idle: float, memory_used: int) -> None:
+        self.scheduler.report.remote(self.lease_id, idle, memory_used)
+
+    def stop(self, reason: str) -> None:
+        """End the command (SIGTERM, then SIGKILL after the grace period), saying why."""
+        self.reason = self.reason or reason
+        if self.proc is not None and self.proc.poll() is None:
+            launcher.stop(self.proc, self.grace)
+
+    @ray.method(concurrency_group="watch")
+    def held(self) -> str:
+        """Returns when the command has ended (why, if it was stopped); fails if this actor dies."""
+        self.done.wait()
+        return self.reason
+
+
+@_actor(num_cpus=0, concurrency_groups=WATCH)
+class Hosted:
+    """A callable (a function, or a model: any object with `__call__`) kept on a leased GPU."""
+
+    def __init__(self, target: Any, env: dict[str, str]) -> None:
+        """`env`: the lease's variables, set before anything here initialises CUDA (unpickling
+        `target` may import torch, never initialise CUDA on its own)."""
+        os.environ.update(env)
+        launcher.cap_this_process()
+        self.target = target
+        self.closed = threading.Event()
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return pack(self.target(*unpack(args), **{k: unpack(v) for k, v in kwargs.items()}))
+
+    def call_packed(self, packed: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        """`call` as a compiled graph's one input (`remote(..., compiled=True)`)."""
+        return self.call(*packed)
+
+    def method(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return pack(getattr(self.target, name)(*unpack(args), **{k: unpack(v) for k, v in kwargs.items()}))
+
+    def env(self) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k.startswith(("CUDA_", "GPUFEED_"))}
+
+    def close(self) -> None:
+        self.closed.set()
+
+    @ray.method(concurrency_group="watch")
+    def held(self) -> str:
+        self.closed.wait()
+        return ""
+

@@ -1,0 +1,80 @@
+"""`gpufeed gpu` as a user runs it: a killed client frees its lease, bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+from ray.cluster_utils import Cluster
+
+from gpufeed.bench.children import free_port
+from gpufeed.pool.client import lease, status
+from gpufeed.pool.ledger import Request
+from tests.pool.conftest import eventually, running
+
+
+def gpufeed(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gpufeed", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_kill_9_of_a_job_frees_its_lease_and_stops_its_command(cluster: Cluster) -> None:
+    client = subprocess.Popen(
+        [sys.executable, "-m", "gpufeed", "gpu", "run", "--address", cluster.address, "--pool", "kill", "--", "sleep", "61.25"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        eventually(lambda: [ls for ls in status("kill")["leases"] if ls["started"]], "the job to start")
+        assert eventually(lambda: running("61.25"), "the command to run")
+    finally:
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+    eventually(lambda: status("kill")["leases"] == [], "the killed job's lease to be freed", timeout=30)
+    eventually(lambda: not running("61.25"), "the command to stop")
+
+
+def test_run_waits_in_the_queue_with_a_status_line_then_runs(cluster: Cluster) -> None:
+    with lease(Request(1.0, nodes=2), pool="wait"):
+        client = subprocess.Popen(
+            [sys.executable, "-m", "gpufeed", "gpu", "run", "--address", cluster.address, "--pool", "wait", "--gpu", "0.5",
+             "--team", "vision", "--", "echo", "ran"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        eventually(lambda: status("wait")["queue"], "the job to queue")
+    out, err = client.communicate(timeout=60)
+    assert (client.returncode, out) == (0, "ran\n"), err
+    assert "gpu run: queued for 0.5 GPU x 1 node(s), team vision, priority 0: position 1 of 1, waiting for a GPU to free" in err
+
+
+def test_without_ray_the_pool_commands_say_how_to_get_it() -> None:
+    code = "import sys; sys.modules['ray'] = None; from gpufeed.cli.main import run; run()"
+    done = subprocess.run([sys.executable, "-c", code, "gpu", "status"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (1, "gpufeed: error: the GPU pool needs Ray: pip install 'gpufeed[pool]'\n")
+
+
+def test_status_shows_gpus_leases_queue_and_teams(cluster: Cluster) -> None:
+    with lease(Request(0.5, team="vision"), pool="status"):
+        done = gpufeed("gpu", "status", "--json", "--address", cluster.address, "--pool", "status")
+        table = gpufeed("gpu", "status", "--address", cluster.address, "--pool", "status")
+    state = json.loads(done.stdout)
+    assert done.returncode == 0 and set(state) == {"gpus", "leases", "queue", "teams", "idle_timeout"}
+    assert sorted((g["free_share"], g["memory"]) for g in state["gpus"]) == [(0.5, 16 << 30), (1.0, 16 << 30)]
+    assert [(ls["team"], ls["share"], ls["started"]) for ls in state["leases"]] == [("vision", 0.5, False)]
+    assert table.returncode == 0 and all(title in table.stdout for title in ("GPUs", "Leases", "Queue", "Teams", "vision"))
+
+
+def test_bad_input_is_one_clear_line(cluster: Cluster) -> None:
+    cases = [
+        (["--gpu", "0"], 2, "--gpu 0: expected a share > 0"),
+        (["--address", cluster.address, "--gpu", "3"], 2, "--gpu 3: no node has 3 GPUs (the most on one node is 1)"),
+        (["--address", cluster.address, "--mem", "20GiB"], 2, "--mem 20.0GiB: more than the largest GPU's memory (16.0GiB)"),
+        (["--address", f"127.0.0.1:{free_port()}"], 1, "no Ray cluster at 127.0.0.1:"),
+    ]
+    for args, code, message in cases:
+        done = gpufeed("gpu", "run", *args, "--", "true")
+        assert (done.returncode, done.stdout) == (code, ""), done.stderr
+        assert done.stderr.startswith(f"gpufeed: error: {message}") and done.stderr.count("\n") == 1, done.stderr
