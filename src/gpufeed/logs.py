@@ -69,13 +69,13 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure(fmt: str, who: str = "agent", *, debug: bool = False, level: int = logging.INFO) -> None:
-    """Log `level` and above to stderr in format `fmt` ("text" or "json"). The agent's text lines
-    carry a time and its name; the command line's read like its error lines."""
+    """Log `level` and above to stderr in format `fmt` ("text" or "json"). A daemon's text lines
+    (`who`: agent, fuse) carry a time and its name; the command line's read like its error lines."""
     handler = logging.StreamHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter(debug))
-    elif who == "agent":
-        handler.setFormatter(TextFormatter(f"%(asctime)s {who} %(levelname)s %(message)s", debug))
-    else:
+    elif who == "cli":
         handler.setFormatter(CliFormatter("%(message)s", debug))
+    else:
+        handler.setFormatter(TextFormatter(f"%(asctime)s {who} %(levelname)s %(message)s", debug))
     logging.basicConfig(level=level, handlers=[handler], force=True)

@@ -42,8 +42,10 @@ import numpy as np
 
 from gpufeed.client import Client, ObjectHandle
 from gpufeed.client.connection import AgentUnavailable
+from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, IsADirectory, NamespacePathError
 from gpufeed.integrations.fuse_mounts import FuseError, state_file
+from gpufeed.logs import configure
 
 # mfusepy takes the first of libfuse2 and libfuse3 it finds; gpufeed is built on libfuse3 (fuse3
 # package): its multithreaded loop, fuse_invalidate_path, max_pages.
@@ -453,8 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("nspath")
     parser.add_argument("--no-warmup", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s fuse %(levelname)s %(message)s", force=True)
     try:
+        settings = Settings.from_env()
+        configure(settings.log_format, "fuse", debug=settings.debug)
         serve(args.mountpoint.absolute(), args.nspath, warmup=not args.no_warmup)
     except GpufeedError as exc:
         print(f"gpufeed: error: {exc}", file=sys.stderr)
