@@ -6,19 +6,16 @@ blocks; the peer API refuses a wrong token, garbage and oversized requests."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,75 +23,19 @@ import pytest
 from gpufeed.bench.children import free_port
 from gpufeed.client.connection import AgentClient
 from gpufeed.cluster.membership import status
-from gpufeed.config import Settings
 from gpufeed.namespace import Namespace
-from gpufeed.rpc.messages import Metrics, MetricsText
+from tests.cluster.members import TOKEN, Member, joined, wait
 from tests.conftest import HttpServer
 
-TOKEN = "cluster-test-token-0123456789"
 FILES = 48
-
-
-@dataclass
-class Member:
-    name: str
-    cache: Path
-    port: int
-    process: subprocess.Popen
-    log: Path
-
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "GPUFEED_CACHE_DIRS": str(self.cache)}
-
-    def settings(self) -> Settings:
-        return dataclasses.replace(Settings.from_env(), cache_dirs=(self.cache,))
-
-    def sees(self) -> int:
-        """How many live members this node's agent sees."""
-        text = AgentClient(self.settings()).request(Metrics(), MetricsText, start=False).text
-        return int(float(re.search(r"^gpufeed_cluster_members (\S+)$", text, re.M)[1]))  # type: ignore[index]
-
-    def read_all(self, paths: list[str]) -> dict[str, str]:
-        code = "import hashlib, sys, gpufeed\nfor p in sys.argv[1:]: print(p, hashlib.sha256(gpufeed.read(p)).hexdigest())"
-        done = subprocess.run([sys.executable, "-c", code, *paths], env=self.env(), capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return dict(line.split() for line in done.stdout.splitlines())
-
-
-def wait(condition, what: str, timeout: float = 20.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-    return value
 
 
 @pytest.fixture
 def cluster(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list[Member]]]:
     url = redis_url.rsplit("/", 1)[0] + "/7"
     monkeypatch.setenv("GPUFEED_CLUSTER_TOKEN", TOKEN)
-    members = []
-    for i in range(3):
-        cache, port = tmp_path / f"node{i}", free_port()
-        cache.mkdir()
-        log = tmp_path / f"node{i}.log"
-        argv = [sys.executable, "-m", "gpufeed.agent", "--cache-dir", str(cache), "--cluster", url,
-                "--peer-addr", f"127.0.0.1:{port}", "--node-id", f"node{i}"]
-        with open(log, "wb") as sink:
-            process = subprocess.Popen(argv, stdout=sink, stderr=sink)
-        members.append(Member(f"node{i}", cache, port, process, log))
-    try:
-        wait(lambda: len(asyncio.run(status(url))) == 3, "three live members")
-        for member in members:
-            wait(lambda member=member: member.sees() == 3, f"{member.name} to see the others")
+    with joined(url, [f"node{i}" for i in range(3)], tmp_path) as members:
         yield url, members
-    finally:
-        for member in members:
-            if member.process.poll() is None:
-                member.process.send_signal(signal.SIGTERM)
-        for member in members:
-            member.process.wait(timeout=30)
 
 
 @pytest.fixture
@@ -123,9 +64,15 @@ def test_each_block_is_fetched_from_the_store_once_for_the_whole_cluster(
     for member in members:
         assert member.read_all(paths) == digests
     assert gets(nginx, site) == FILES, "three nodes read every file; the store served each once"
-    nodes = {node["id"]: node for node in asyncio.run(status(url))}
-    served = sum(node["served_blocks"] for node in nodes.values())
-    assert served >= FILES, nodes  # every block a node did not own came from its owner
+
+    def published() -> dict[str, dict] | None:  # a node's counts reach Redis on its next heartbeat
+        nodes = {node["id"]: node for node in asyncio.run(status(url))}
+        served = sum(node["served_blocks"] for node in nodes.values())
+        return nodes if len(nodes) == 3 and served >= 2 * FILES else None
+
+    # every block was read by its owner and by two nodes that asked the owner for it
+    nodes = wait(published, "each node's heartbeat to publish the blocks it served", timeout=10)
+    assert sum(node["served_blocks"] for node in nodes.values()) == 2 * FILES, nodes
     owned = [node["store_bytes"] for node in nodes.values()]
     assert sum(owned) == sum(30_000 + i for i in range(FILES)) and all(owned), "each owner fetched its share, once"
 
