@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,6 +155,18 @@ def parse_addr(text: str, what: str = "--metrics-addr") -> tuple[str, int]:
 
         raise InvalidArgument(f"{what} {text!r}: expected HOST:PORT or PORT, e.g. 127.0.0.1:9400")
     return host or "127.0.0.1", int(port)
+
+
+def cluster_node_id(settings: Settings) -> str:
+    """The id this node's agent joins the cache cluster with: `node_id`, else HOST@ADVERTISED-ADDRESS
+    ("" without a cluster or a peer address). The GPU pool names the node's agent by it too."""
+    if settings.node_id:
+        return settings.node_id
+    address = settings.advertise or settings.peer_addr
+    if not (settings.cluster and address):
+        return ""
+    host, port = parse_addr(address, "--advertise")
+    return f"{socket.gethostname()}@{host}:{port}"
 
 
 CLUSTER_FLAGS = {

@@ -7,7 +7,9 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import urllib.request
@@ -60,11 +62,13 @@ class Page:
 async def open_page(url: str, width: int = 1200, height: int = 820) -> AsyncIterator[Page]:
     binary = shutil.which("chromium") or need_binary("chromium")
     port = free_port()
-    with tempfile.TemporaryDirectory() as profile:
+    # chromium's helper processes may still be writing the profile as they die: a leftover file
+    # in a temporary directory is not the test's failure
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         argv = [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
                 f"--user-data-dir={profile}", f"--remote-debugging-port={port}", f"--window-size={width},{height}",
                 "about:blank"]
-        browser = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        browser = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             ws_url = await _page_socket(port)
             async with aiohttp.ClientSession() as session, session.ws_connect(ws_url, max_msg_size=0) as ws:
@@ -73,7 +77,8 @@ async def open_page(url: str, width: int = 1200, height: int = 820) -> AsyncIter
                 await page.call("Page.navigate", url=url)
                 yield page
         finally:
-            browser.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(browser.pid, signal.SIGKILL)  # the browser and its renderer, GPU and network processes
             browser.wait()
 
 

@@ -1,6 +1,6 @@
 """One local two-node Ray cluster for the pool's tests (Ray takes seconds to start on two cores),
 stopped when they are done, before the rest of the suite runs: each node declares one fake 16 GiB
-GPU as the pool's custom resources. Tests use their own pool names, so each gets a fresh
+GPU as the pool's custom resources and names its gpufeed agent (`AGENTS`). Tests use their own pool names, so each gets a fresh
 scheduler, and release what they lease."""
 
 from __future__ import annotations
@@ -18,15 +18,18 @@ from gpufeed.pool import inventory
 from gpufeed.pool.client import connect
 
 GIB = 1 << 30
+AGENTS = ("agent-a", "agent-b")
+"""The cache-cluster node ids the two Ray nodes declare as their agents (data-aware placement)."""
 T = TypeVar("T")
 
 
 @pytest.fixture(scope="package")
 def cluster() -> Iterator[Cluster]:
     gpu = inventory.resources(inventory.fake(1, 16 * GIB))
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": gpu, "include_dashboard": False})
+    head = gpu | inventory.agent_marker(AGENTS[0])
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": head, "include_dashboard": False})
     try:
-        nodes.add_node(num_cpus=1, resources=gpu)
+        nodes.add_node(num_cpus=1, resources=gpu | inventory.agent_marker(AGENTS[1]))
         nodes.wait_for_nodes()
         connect(nodes.address)
         yield nodes

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 
 from ray.cluster_utils import Cluster
 
 from gpufeed.bench.children import free_port
+from gpufeed.pool import inventory
 from gpufeed.pool.client import lease, status
 from gpufeed.pool.ledger import Request
 from tests.pool.conftest import eventually, running
@@ -57,14 +60,16 @@ def test_without_ray_the_pool_commands_say_how_to_get_it() -> None:
 
 
 def test_status_shows_gpus_leases_queue_and_teams(cluster: Cluster) -> None:
-    with lease(Request(0.5, team="vision"), pool="status"):
+    with lease(Request(0.5, team="vision", dataset="/imagenet"), pool="status"):
         done = gpufeed("gpu", "status", "--json", "--address", cluster.address, "--pool", "status")
         table = gpufeed("gpu", "status", "--address", cluster.address, "--pool", "status")
     state = json.loads(done.stdout)
-    assert done.returncode == 0 and set(state) == {"gpus", "leases", "queue", "teams", "idle_timeout"}
+    assert done.returncode == 0 and set(state) == {"gpus", "leases", "queue", "teams", "idle_timeout", "agents"}
     assert sorted((g["free_share"], g["memory"]) for g in state["gpus"]) == [(0.5, 16 << 30), (1.0, 16 << 30)]
     assert [(ls["team"], ls["share"], ls["started"]) for ls in state["leases"]] == [("vision", 0.5, False)]
-    assert table.returncode == 0 and all(title in table.stdout for title in ("GPUs", "Leases", "Queue", "Teams", "vision"))
+    assert state["leases"][0]["reason"].startswith("/imagenet: no cache cluster to ask"), "this pool has no GPUFEED_CLUSTER"
+    titles = ("GPUs", "Leases", "Queue", "Teams", "vision", "placed")
+    assert table.returncode == 0 and all(title in table.stdout for title in titles)
 
 
 def test_bad_input_is_one_clear_line(cluster: Cluster) -> None:
@@ -78,3 +83,14 @@ def test_bad_input_is_one_clear_line(cluster: Cluster) -> None:
         done = gpufeed("gpu", "run", *args, "--", "true")
         assert (done.returncode, done.stdout) == (code, ""), done.stderr
         assert done.stderr.startswith(f"gpufeed: error: {message}") and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_resources_name_the_nodes_agent_for_data_aware_placement() -> None:
+    named = gpufeed("gpu", "resources", "--fake-gpus", "1", "--fake-gpu-mem", "1GiB", "--agent-node", "agent-x")
+    assert json.loads(named.stdout) == {"gpufeed_gpu_0": 1.0, "gpufeed_gpu_0_mem": 1024.0} | inventory.agent_marker("agent-x")
+    env = {**os.environ, "GPUFEED_CLUSTER": "redis://127.0.0.1:1/0", "GPUFEED_PEER_ADDR": "10.0.0.7:7070"}
+    derived = subprocess.run([sys.executable, "-m", "gpufeed", "gpu", "resources", "--fake-gpus", "1"],
+                             capture_output=True, text=True, timeout=60, env=env)
+    assert inventory.agent_marker(f"{socket.gethostname()}@10.0.0.7:7070").keys() <= json.loads(derived.stdout).keys()
+    alone = gpufeed("gpu", "resources", "--fake-gpus", "1")
+    assert not [name for name in json.loads(alone.stdout) if name.startswith("gpufeed_agent_")], "no cluster: no agent to name"

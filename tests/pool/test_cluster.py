@@ -37,6 +37,23 @@ def test_two_halves_share_a_gpu_a_whole_takes_the_other_and_a_third_half_queues(
     ray.get(sched.release.remote(granted["lease_id"]))
 
 
+def test_a_higher_priority_is_served_first_and_fifo_holds_within_a_priority(cluster: Cluster) -> None:
+    sched = scheduler("priority")
+    with lease(Request(1.0, nodes=2), pool="priority"):  # both GPUs taken: everything below queues
+        tickets = {name: ray.get(sched.submit.remote({"share": 1.0, "priority": p}))["ticket"]
+                   for name, p in [("low", 0), ("first high", 5), ("second high", 5)]}
+        positions = {name: ray.get(sched.poll.remote(t))["position"] for name, t in tickets.items()}
+        assert positions == {"first high": 1, "second high": 2, "low": 3}
+    granted = eventually(lambda: [name for name, t in tickets.items() if ray.get(sched.poll.remote(t))["state"] == "granted"],
+                         "the two GPUs to be granted again")
+    assert sorted(granted) == ["first high", "second high"], "the low priority job waits for the next free GPU"
+    assert ray.get(sched.poll.remote(tickets["low"]))["position"] == 1
+    for name in granted:
+        ray.get(sched.release.remote(ray.get(sched.poll.remote(tickets[name]))["lease"]["lease_id"]))
+    low = eventually(lambda: ray.get(sched.poll.remote(tickets["low"])).get("lease"), "the low priority job's turn")
+    ray.get(sched.release.remote(low["lease_id"]))
+
+
 def test_a_team_at_its_quota_waits_while_another_team_runs(cluster: Cluster) -> None:
     sched = scheduler("quota", quotas={"vision": 0.5})
     with lease(Request(0.5, team="vision"), pool="quota"):

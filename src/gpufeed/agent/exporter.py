@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from importlib import resources
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -26,6 +27,15 @@ Gauges = Callable[[], list[tuple[str, str, float]]]
 """(name without prefix, help, value) of what the agent holds now: cache bytes, limit, clients…"""
 Coverage = Callable[[], dict[str, tuple[int, int]]]
 """Mount path → (bytes in its manifest, bytes of them cached), as last counted."""
+
+
+class Cluster(Protocol):
+    """The cache cluster this agent is a member of (`gpufeed.agent.peers.ClusterNode`), as far
+    as the dashboard needs it."""
+
+    async def pools(self) -> list[dict[str, Any]]:
+        """Every GPU pool's status board in the cluster's Redis (`gpufeed.cluster.poolboard`)."""
+        ...
 
 
 def _kind(text: str) -> str:
@@ -118,10 +128,12 @@ def text(reg: CollectorRegistry) -> str:
     return generate_latest(reg).decode()
 
 
-async def serve(reg: CollectorRegistry, host: str, port: int) -> Callable[[], Awaitable[None]]:
+async def serve(reg: CollectorRegistry, host: str, port: int, cluster: Cluster | None = None) -> Callable[[], Awaitable[None]]:
     """Serve /metrics, and at / the live dashboard for a person (one static page that reads
     /metrics every second), on the running loop; returns the coroutine function that stops it.
-    aiohttp is loaded only when an address was asked for."""
+    /pool.json is the GPU pools' status boards from the cache cluster's Redis (none without a
+    `cluster`), which the page shows when there is one. aiohttp is loaded only when an address
+    was asked for."""
     from aiohttp import web
 
     page = resources.files("gpufeed.agent").joinpath("dashboard.html").read_bytes()
@@ -132,9 +144,19 @@ async def serve(reg: CollectorRegistry, host: str, port: int) -> Callable[[], Aw
     async def dashboard(request: web.Request) -> web.Response:
         return web.Response(body=page, content_type="text/html", charset="utf-8")
 
+    async def pool_json(request: web.Request) -> web.Response:
+        if cluster is None:
+            return web.json_response({"pools": []})
+        try:
+            return web.json_response({"pools": await cluster.pools()})
+        except Exception as exc:  # an unreachable Redis is a line on the page, never a failed request
+            line = (str(exc).splitlines() or [""])[0]
+            return web.json_response({"pools": [], "error": f"{type(exc).__name__}: {line}" if line else type(exc).__name__})
+
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", dashboard)
+    app.router.add_get("/pool.json", pool_json)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

@@ -37,9 +37,10 @@ from gpufeed.blocks import CorruptBlock
 from gpufeed.cache import blockfile
 from gpufeed.cache.layout import BlockRef
 from gpufeed.cache.openfiles import OpenBlocks
+from gpufeed.cluster import poolboard
 from gpufeed.cluster.membership import HEARTBEAT_S, Membership
 from gpufeed.cluster.ownership import Node, owners
-from gpufeed.config import Settings, parse_addr
+from gpufeed.config import Settings, cluster_node_id, parse_addr
 from gpufeed.rpc.messages import Group, ObjectWant, PeerFetch
 
 if TYPE_CHECKING:
@@ -281,7 +282,7 @@ class ClusterNode:
         if host in ("0.0.0.0", "::"):
             raise errors.InvalidArgument(f"--advertise {advertise}: give an address the other nodes can reach")
         self.bind = parse_addr(settings.peer_addr, "--peer-addr")
-        me = Node(settings.node_id or f"{socket.gethostname()}@{host}:{port}", f"{host}:{port}", settings.node_weight, capacity)
+        me = Node(cluster_node_id(settings), f"{host}:{port}", settings.node_weight, capacity)
         self.membership = Membership(settings.cluster, me, stats)
         self.blocks = PeerBlocks(self.membership, settings.replicas, token, metrics)
         self.server = PeerServer(fetcher, dirs, token, metrics)
@@ -305,6 +306,10 @@ class ClusterNode:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             await self.membership.beat()
+
+    async def pools(self) -> list[dict[str, Any]]:
+        """The GPU pools' status boards in this cluster's Redis, for the dashboard (/pool.json)."""
+        return await poolboard.read(self.membership.redis)
 
     async def stop(self) -> None:
         if self._beating is not None:

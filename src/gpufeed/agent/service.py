@@ -190,6 +190,7 @@ class Agent:
             "peer_bytes": fetched["peer"],
             "served_blocks": m.counts["peer_served"],
             "served_bytes": m.counts["peer_served_bytes"],
+            "mounts": {path: list(counts) for path, counts in self.coverage.latest.items()},
         }
 
     def _ahead_samples(self) -> int:
@@ -374,10 +375,11 @@ class Agent:
         stop_http = None
         if self.metrics_addr:
             try:
-                stop_http = await exporter.serve(self.registry, *parse_addr(self.metrics_addr))
+                stop_http = await exporter.serve(self.registry, *parse_addr(self.metrics_addr), cluster=self.cluster)
             except OSError as exc:
                 raise GpufeedError(f"--metrics-addr {self.metrics_addr}: {exc.strerror or exc}") from None
-            self.coverage.start()  # only a dashboard or a scrape reads it
+        if self.metrics_addr or self.cluster is not None:
+            self.coverage.start()  # read by a dashboard, a scrape, or the cluster (the GPU pool's placement)
         self._stop = asyncio.Event()
         self.fetcher.start()
         if self.cluster is not None:
@@ -398,8 +400,8 @@ class Agent:
         finally:
             if watcher:
                 watcher.cancel()
+            self.coverage.stop()
             if stop_http is not None:
-                self.coverage.stop()
                 await stop_http()
             server.close()
             if self.cluster is not None:

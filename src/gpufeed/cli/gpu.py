@@ -12,7 +12,7 @@ from typing import Any
 import typer
 
 from gpufeed.cli.console import err, human_bytes, out, print_json
-from gpufeed.config import Settings, parse_size
+from gpufeed.config import Settings, cluster_node_id, parse_size
 from gpufeed.errors import InvalidArgument, PoolError
 
 app = typer.Typer(help="Share, queue and reclaim GPUs on a Ray cluster.", no_args_is_help=True)
@@ -29,18 +29,22 @@ def run(
     team: str = typer.Option("default", "--team", help="Team whose quota the lease counts against."),
     priority: int = typer.Option(0, "--priority", help="Higher is served first; FIFO within a priority."),
     nodes: int = typer.Option(1, "--nodes", min=1, help="Run on this many nodes (one process each, DDP environment set)."),
+    dataset: str = typer.Option(
+        "", "--dataset", help="Namespace path the job reads: placed on the fitting node that holds most of it cached."
+    ),
     address: str | None = ADDRESS,
     pool: str = POOL,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No queue status on stderr; errors still print."),
 ) -> None:
     """Run COMMAND on a pooled GPU lease: `gpufeed gpu run --gpu 0.5 --mem 20GiB -- python train.py`."""
+    from gpufeed.namespace import normalize
     from gpufeed.pool.client import connect
     from gpufeed.pool.client import run as run_leased
     from gpufeed.pool.ledger import Request
 
     if gpu <= 0:
         raise InvalidArgument(f"--gpu {gpu:g}: expected a share > 0 (0.5 is half a GPU, 2 is two GPUs)")
-    request = Request(gpu, parse_size(mem, "--mem") if mem else 0, team, priority, nodes)
+    request = Request(gpu, parse_size(mem, "--mem") if mem else 0, team, priority, nodes, normalize(dataset) if dataset else "")
     connect(address)
     waiting = _Waiting(request, quiet)
     outcome = run_leased(command, request, pool, on_wait=waiting)
@@ -92,13 +96,15 @@ def _table(state: dict[str, Any]) -> None:
     for g in state["gpus"]:
         gpus.add_row(g["node"][:12], str(g["index"]), human_bytes(g["memory"]), f"{g['free_share']:g}",
                      human_bytes(g["free_memory"]), " ".join(g["leases"]) or "-")
-    leases = Table("lease", "team", "priority", "gpus", "memory", "used", "age", "idle", title="Leases", title_justify="left")
+    leases = Table("lease", "team", "priority", "gpus", "memory", "used", "age", "idle", "placed", title="Leases",
+                   title_justify="left")
     for ls in state["leases"]:
         where = " ".join(f"{p['node'][:8]}:{p['index']}@{p['share']:g}" for p in ls["placements"])
         memory = human_bytes(sum(p["memory"] for p in ls["placements"]))
         age, idle = f"{ls['age']:.0f} s", f"{ls['idle_seconds']:.0f} s"
         used = human_bytes(ls["memory_used"]) if ls["memory_used"] else "-"
-        leases.add_row(ls["lease_id"], ls["team"], str(ls["priority"]), where, memory, used, age, idle)
+        placed = ls["reason"] or "by GPU fit"
+        leases.add_row(ls["lease_id"], ls["team"], str(ls["priority"]), where, memory, used, age, idle, placed)
     queue = Table("pos", "team", "priority", "gpu", "nodes", "waiting", "why", title="Queue", title_justify="left")
     for w in state["queue"]:
         waited = f"{w['waiting']:.0f} s"
@@ -114,11 +120,17 @@ def _table(state: dict[str, Any]) -> None:
 def resources(
     fake_gpus: int = typer.Option(0, "--fake-gpus", help="Declare this many fake GPUs instead of asking NVML."),
     fake_gpu_mem: str = typer.Option("80GiB", "--fake-gpu-mem", help="Memory of each fake GPU."),
+    agent_node: str = typer.Option(
+        "", "--agent-node", help="This node's agent's id in the cache cluster [default: as the agent derives it]"
+    ),
 ) -> None:
-    """This node's GPUs as Ray resources, for `ray start --resources "$(gpufeed gpu resources)"`."""
+    """This node's GPUs as Ray resources, for `ray start --resources "$(gpufeed gpu resources)"`;
+    with the node's cache-cluster agent named, data-aware placement finds the node's cache."""
     from gpufeed.pool import inventory
 
     gpus = inventory.fake(fake_gpus, parse_size(fake_gpu_mem, "--fake-gpu-mem")) if fake_gpus else inventory.detect()
     if not gpus:
         raise PoolError("no GPU found (no NVIDIA driver or no nvidia-ml-py); declare fake ones with --fake-gpus N")
-    print_json(inventory.resources(gpus))
+    agent = agent_node or cluster_node_id(Settings.from_env())
+    print_json(inventory.resources(gpus) | (inventory.agent_marker(agent) if agent else {}))
+

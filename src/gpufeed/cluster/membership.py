@@ -3,7 +3,8 @@
 Keys under `prefix` (default `gpufeed:cluster`):
   members        sorted set, node id → the Redis server's time of its last heartbeat
   node:{id}      JSON: address, weight, capacity (written on join; expires unless renewed)
-  stats:{id}     JSON: what `gpufeed cluster status` shows (cache use, hits, peer traffic)
+  stats:{id}     JSON: what `gpufeed cluster status` shows (cache use, hits, peer traffic) and
+                 each mount's bytes and cached bytes (what the GPU pool places jobs by)
   version        counts joins and clean leaves
 A heartbeat writes three keys and reads two numbers, (version, live count); only when they
 change (a join, a leave, a heartbeat gone stale) does the node read the member list, so Redis's
@@ -131,19 +132,22 @@ async def status(url: str, prefix: str = PREFIX) -> list[dict[str, Any]]:
     """Every live member with its info and stats, for `gpufeed cluster status`."""
     redis = connect(url)
     try:
-        seconds, micros = await redis.time()
-        now = seconds + micros / 1e6
-        ids = sorted(str(i) for i in await redis.zrangebyscore(f"{prefix}:members", now - TTL_S, "+inf"))
-        if not ids:
-            return []
-        infos = await redis.mget([f"{prefix}:node:{i}" for i in ids])
-        stats = await redis.mget([f"{prefix}:stats:{i}" for i in ids])
+        return await members(redis, prefix)
     finally:
         await redis.aclose()
+
+
+async def members(redis: aioredis.Redis, prefix: str = PREFIX) -> list[dict[str, Any]]:
+    """`status` on a connection the caller keeps (the GPU pool's scheduler asks every second)."""
+    seconds, micros = await redis.time()
+    now = seconds + micros / 1e6
+    ids = sorted(str(i) for i in await redis.zrangebyscore(f"{prefix}:members", now - TTL_S, "+inf"))
+    if not ids:
+        return []
+    infos = await redis.mget([f"{prefix}:node:{i}" for i in ids])
+    stats = await redis.mget([f"{prefix}:stats:{i}" for i in ids])
     return [
         {"id": i, **json.loads(info or "{}"), **{k: v for k, v in json.loads(stat or "{}").items() if k != "time"},
          "heartbeat_age_s": max(0.0, now - json.loads(stat or "{}").get("time", now))}
         for i, info, stat in zip(ids, infos, stats, strict=True)
     ]
-
-

@@ -65,9 +65,12 @@ def _namespace() -> str:
     return NAMESPACE
 
 
-def scheduler(pool: str = "default", quotas: dict[str, float] | None = None, idle_timeout: float | None = None) -> Any:
-    """The pool's scheduler actor, created (detached) by the first client that asks. `quotas` and
-    `idle_timeout` apply only when this call creates it; defaults come from the environment."""
+def scheduler(
+    pool: str = "default", quotas: dict[str, float] | None = None, idle_timeout: float | None = None, cluster: str | None = None
+) -> Any:
+    """The pool's scheduler actor, created (detached) by the first client that asks. `quotas`,
+    `idle_timeout` and `cluster` (the cache cluster's Redis, which data-aware placement reads)
+    apply only when this call creates it; defaults come from the environment."""
     from gpufeed.config import Settings
     from gpufeed.pool.scheduler import NAMESPACE, PoolScheduler, actor_name
 
@@ -77,6 +80,8 @@ def scheduler(pool: str = "default", quotas: dict[str, float] | None = None, idl
     ).remote(
         dict(settings.pool_quotas) if quotas is None else quotas,
         settings.pool_idle_timeout if idle_timeout is None else idle_timeout,
+        cluster=settings.cluster if cluster is None else cluster,
+        pool=pool,
     )
 
 

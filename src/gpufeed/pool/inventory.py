@@ -11,12 +11,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import xxhash
+
 from gpufeed.errors import InvalidArgument
 
 MIB = 1 << 20
 SHARE = "gpufeed_gpu_{index}"
 MEMORY = "gpufeed_gpu_{index}_mem"
 _SHARE_RE = re.compile(r"gpufeed_gpu_(\d+)")
+AGENT = "gpufeed_agent_{digest}"
+_AGENT_RE = re.compile(r"gpufeed_agent_([0-9a-f]{16})")
 
 
 @dataclass(frozen=True)
@@ -112,3 +116,22 @@ def from_resources(node: str, declared: dict[str, float]) -> list[Gpu]:
 def booking(index: int, share: float, memory: int) -> dict[str, float]:
     """The Ray resources one lease books on GPU `index`."""
     return {SHARE.format(index=index): share, MEMORY.format(index=index): float(-(-memory // MIB))}
+
+
+def agent_marker(agent_id: str) -> dict[str, float]:
+    """A resource nothing books that says which gpufeed agent (cache cluster node id) runs on a
+    Ray node, so data-aware placement can tell nodes apart even when they share an address."""
+    return {AGENT.format(digest=agent_digest(agent_id)): 1.0}
+
+
+def agent_digest(agent_id: str) -> str:
+    return xxhash.xxh3_64_hexdigest(agent_id.encode())
+
+
+def marked_agent(declared: dict[str, float]) -> str | None:
+    """The digest of the agent a Ray node declared with `agent_marker`, or None."""
+    for name in declared:
+        match = _AGENT_RE.fullmatch(name)
+        if match:
+            return match.group(1)
+    return None

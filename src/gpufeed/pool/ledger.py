@@ -67,6 +67,10 @@ class Lease:
     started_at: float = 0.0
     idle_seconds: float = 0.0
     memory_used: int = 0
+    candidates: list[str] = field(default_factory=list)
+    """The nodes that fitted when it was granted, best first (the placement's reason names them)."""
+    reason: str = ""
+    """Why it was placed where it is, when that was a choice (data-aware placement)."""
 
 
 @dataclass
@@ -157,10 +161,12 @@ class Ledger:
             quota = self.quotas.get(request.team)
             if quota is not None and usage.get(request.team, 0.0) + request.gpu_total > quota + EPSILON:
                 continue
-            placements = self._fit(request)
-            if placements is None:
+            fitted = self._fit(request)
+            if fitted is None:
                 break
-            lease = Lease(f"L{waiting.ticket}", waiting.ticket, request, placements, time.time() if now is None else now)
+            placements, ranked = fitted
+            granted_at = time.time() if now is None else now
+            lease = Lease(f"L{waiting.ticket}", waiting.ticket, request, placements, granted_at, candidates=ranked)
             self.leases[lease.lease_id] = lease
             self.queue.remove(waiting)
             usage[request.team] = usage.get(request.team, 0.0) + request.gpu_total
@@ -177,8 +183,9 @@ class Ledger:
                     free[(p.node, p.index)] = (share - p.share, memory - p.memory)
         return free
 
-    def _fit(self, request: Request) -> list[Placement] | None:
-        """Best fit: on each node the GPUs that would be left fullest; then nodes in the hook's order."""
+    def _fit(self, request: Request) -> tuple[list[Placement], list[str]] | None:
+        """Best fit: on each node the GPUs that would be left fullest; then nodes in the hook's order.
+        Returns the placements and every node that fitted, best first."""
         free = self.free()
         per_node: dict[str, list[Placement]] = {}
         for node in {gpu.node for gpu in self.gpus.values()}:
@@ -195,7 +202,7 @@ class Ledger:
         ranked = sorted(per_node, key=lambda n: (sum(free[(n, p.index)][0] for p in per_node[n]), n))
         if self.order is not None:
             ranked = list(self.order(request, ranked))
-        return [p for node in ranked[: request.nodes] for p in per_node[node]]
+        return [p for node in ranked[: request.nodes] for p in per_node[node]], ranked
 
 
 def _gib(size: int) -> str:

@@ -7,19 +7,30 @@ the chosen nodes) and the lease's actors hold them. It never trusts a polite rel
 - a granted lease is watched through its actors' `held` calls, which fail the moment an actor
   dies (its owner was killed, its node was lost), and end when the job ends;
 - a lease granted but never started (client died in between) expires after `ticket_ttl`.
+
+With a cache cluster (`cluster`, its Redis URL), it reads once a second what each node's agent
+holds cached and puts a job that names its dataset on the fitting node that holds most of it
+(`placement.py`), and publishes its status there for the agents' dashboards (`poolboard`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import asdict
 from typing import Any
 
 import ray
+from redis.exceptions import RedisError
 
+from gpufeed.cluster import poolboard
+from gpufeed.cluster.membership import connect
 from gpufeed.pool import inventory
 from gpufeed.pool.ledger import Lease, Ledger, Placement, Request
+from gpufeed.pool.placement import CacheMap, cached_first, read_cache_map
+
+log = logging.getLogger("gpufeed.pool")
 
 _actor: Any = ray.remote  # Ray's stubs reject concurrency_groups
 
@@ -33,8 +44,18 @@ def actor_name(pool: str) -> str:
 
 @_actor(num_cpus=0)
 class PoolScheduler:
-    def __init__(self, quotas: dict[str, float], idle_timeout: float, ticket_ttl: float = 10.0) -> None:
+    def __init__(
+        self, quotas: dict[str, float], idle_timeout: float, ticket_ttl: float = 10.0, cluster: str = "", pool: str = "default"
+    ) -> None:
         self.ledger = Ledger(quotas=dict(quotas))
+        self.cluster, self.pool = cluster, pool
+        self.cache = CacheMap()
+        self.ray_nodes: list[dict[str, Any]] = []
+        self.cluster_failing = False
+        self.exchanged = 0.0
+        self.redis: Any = None
+        if cluster:
+            self.ledger.order = cached_first(lambda dataset: self.cache.cached(dataset))
         self.idle_timeout, self.ticket_ttl = idle_timeout, ticket_ttl
         self.seen: dict[int, float] = {}
         self.released: dict[int, str] = {}
@@ -43,7 +64,7 @@ class PoolScheduler:
         self.watches: set[asyncio.Task[None]] = set()
 
     def settings(self) -> dict[str, Any]:
-        return {"quotas": self.ledger.quotas, "idle_timeout": self.idle_timeout}
+        return {"quotas": self.ledger.quotas, "idle_timeout": self.idle_timeout, "cluster": bool(self.cluster)}
 
     async def submit(self, request: dict[str, Any]) -> dict[str, Any]:
         """`{"ticket": n}`, or `{"error": why}` when the request can never be granted here."""
@@ -53,6 +74,8 @@ class PoolScheduler:
         error = self.ledger.check(parsed)
         if error:
             return {"error": error}
+        if parsed.dataset and self.cluster:
+            await self._exchange()  # place by what is cached now, not by a view up to a second old
         ticket = self.ledger.submit(parsed)
         self.seen[ticket] = time.monotonic()
         self._tick()
@@ -101,6 +124,9 @@ class PoolScheduler:
         self._start()
         self._refresh(force=True)
         self._tick()
+        return self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
         now = time.time()
         free = self.ledger.free()
         gpus = [
@@ -127,7 +153,8 @@ class PoolScheduler:
             teams.setdefault(w.request.team, {"in_use": 0.0, "waiting": 0})["waiting"] += 1
         for team, info in teams.items():
             info["quota"] = self.ledger.quotas.get(team)
-        return {"gpus": gpus, "leases": leases, "queue": queue, "teams": teams, "idle_timeout": self.idle_timeout}
+        return {"gpus": gpus, "leases": leases, "queue": queue, "teams": teams, "idle_timeout": self.idle_timeout,
+                "agents": dict(self.cache.agents)}
 
     def _why(self, ticket: int) -> str:
         usage = self.ledger.team_usage()
@@ -159,8 +186,27 @@ class PoolScheduler:
     async def _background(self) -> None:
         while True:
             self._refresh()
+            if self.cluster and time.monotonic() - self.exchanged >= 1.0:
+                await self._exchange()
             self._tick()
             await asyncio.sleep(TICK)
+
+    async def _exchange(self) -> None:
+        """Learn what each node holds cached; publish this pool's status for the dashboards. An
+        unreachable cluster keeps the last view (and GPU-fit packing for nodes it never saw)."""
+        self.exchanged = time.monotonic()
+        if self.redis is None:
+            self.redis = connect(self.cluster)  # on the actor's loop, where it is used
+        try:
+            self.cache = await read_cache_map(self.redis, self.ray_nodes)
+            await poolboard.publish(self.redis, self.pool, self._snapshot())
+            if self.cluster_failing:
+                log.info("cache cluster reachable again")
+            self.cluster_failing = False
+        except (RedisError, OSError) as exc:
+            if not self.cluster_failing:
+                log.warning("cache cluster unreachable (%s): placing by the last view", exc)
+            self.cluster_failing = True
 
     def _refresh(self, force: bool = False) -> None:
         """The GPUs, from the alive Ray nodes' declared resources (at most once a second)."""
@@ -168,9 +214,9 @@ class PoolScheduler:
             return
         self.refreshed = time.monotonic()
         gpus = []
-        for node in ray.nodes():
-            if node.get("Alive"):
-                gpus.extend(inventory.from_resources(node["NodeID"], node.get("Resources", {})))
+        self.ray_nodes = [node for node in ray.nodes() if node.get("Alive")]
+        for node in self.ray_nodes:
+            gpus.extend(inventory.from_resources(node["NodeID"], node.get("Resources", {})))
         self.ledger.set_gpus(gpus)
 
     def _tick(self) -> None:
@@ -187,6 +233,8 @@ class PoolScheduler:
                         self._release(lease.lease_id, "never started (client gone)")
         for lease in self.ledger.schedule():
             self.seen[lease.ticket] = now
+            if lease.request.dataset:
+                lease.reason = self.cache.reason(lease, bool(self.cluster))
 
 
 def _lease_dict(lease: Lease, ledger: Ledger) -> dict[str, Any]:
@@ -195,6 +243,8 @@ def _lease_dict(lease: Lease, ledger: Ledger) -> dict[str, Any]:
         "ticket": lease.ticket,
         "team": lease.request.team,
         "priority": lease.request.priority,
+        "dataset": lease.request.dataset,
+        "reason": lease.reason,
         "share": lease.request.share,
         "nodes": lease.request.nodes,
         "placements": [asdict(p) | {"gpu_memory": _gpu_memory(ledger, p)} for p in lease.placements],
