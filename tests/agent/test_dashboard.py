@@ -44,7 +44,7 @@ def test_the_dashboard_draws_and_moves_while_reads_run(tmp_path: Path, monkeypat
     reader = threading.Thread(target=read_loop, daemon=True)
     reader.start()
 
-    async def look() -> tuple[str, str, int, str, str]:
+    async def look() -> tuple[str, str, int, str, str, int]:
         async with open_page(f"http://127.0.0.1:{port}/") as page:
             await page.wait_for("document.title === 'gpufeed agent'")
             await page.wait_for("Number(document.getElementById('throughput').dataset.points || 0) >= 2")
@@ -58,11 +58,12 @@ def test_the_dashboard_draws_and_moves_while_reads_run(tmp_path: Path, monkeypat
                 "/^\\d+\\.\\d %$/.test(document.querySelector('#mounts tbody td:last-child')?.textContent || '') "
                 "&& document.querySelector('#mounts tbody td:last-child').textContent"
             )
+            peers = await page.evaluate("[...document.querySelectorAll('.peer')].filter(e => !e.hidden).length")
             await page.screenshot(tmp_path / "dashboard.png")
-            return first, moved, points, mount, cached
+            return first, moved, points, mount, cached, peers
 
     try:
-        first, moved, points, mount, cached = asyncio.run(look())
+        first, moved, points, mount, cached, peers = asyncio.run(look())
     finally:
         stop.set()
         reader.join(timeout=30)
@@ -70,6 +71,7 @@ def test_the_dashboard_draws_and_moves_while_reads_run(tmp_path: Path, monkeypat
     assert points >= 2
     assert mount == "/data"
     assert 0 < float(cached.removesuffix(" %")) <= 100, "the mount's cached fraction"
+    assert peers == 0, "no peer tile, legend or column on a node outside a cache cluster (tests/agent/test_tiers.py)"
     assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -55,8 +55,8 @@ class Collector:
         m = self.metrics
         yield _by_tier("hits", "Blocks read from the cache, by tier (disk) and mount", m.hits)
         yield _by_tier("hit_bytes", "Bytes readers read from cached blocks", m.hit_bytes)
-        yield _by_tier("misses", "Blocks fetched after a miss, by where from (store) and mount", m.misses)
-        yield _by_tier("miss_bytes", "Bytes fetched after a miss", m.miss_bytes)
+        yield _by_tier("misses", "Blocks fetched after a miss, by where from (store, peer) and mount", m.misses)
+        yield _by_tier("miss_bytes", "Bytes fetched after a miss, by where from (store, peer) and mount", m.miss_bytes)
         stall = CounterMetricFamily(
             "gpufeed_stall_seconds", "Seconds readers' reads waited on misses, summed over readers", labels=["mount"]
         )
@@ -79,6 +79,7 @@ class Collector:
         ]:
             yield CounterMetricFamily(f"gpufeed_{name}", what, value=m.counts[name])
         yield _histogram("store_get_seconds", "Store GET time, first byte to last, per block or object", m.store_get)
+        yield _histogram("peer_get_seconds", "Block reads from a cluster peer, request to last byte", m.peer_get)
         yield _histogram("prefetch_lead_seconds", "From a prefetched block landing in the cache to its first read",
                          m.prefetch_lead)
         for name, what, value in self.gauges():

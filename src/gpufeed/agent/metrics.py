@@ -84,7 +84,8 @@ class Metrics:
         """(mount, tier) → blocks readers read from the cache; tier "disk" today ("memory" later)."""
         self.hit_bytes: Counter[tuple[str, str]] = Counter()
         self.misses: Counter[tuple[str, str]] = Counter()
-        """(mount, tier) → blocks the agent fetched, by where from: "store" today ("peer" later)."""
+        """(mount, tier) → blocks the agent fetched, by where from: "store", or "peer" (another
+        node of the cache cluster, `agent.peers`)."""
         self.miss_bytes: Counter[tuple[str, str]] = Counter()
         self.stall_s: defaultdict[str, float] = defaultdict(float)
         """mount → seconds readers' reads waited on misses (the agent or the store), all readers summed."""
@@ -92,6 +93,9 @@ class Metrics:
         self.errors: Counter[str] = Counter()
         """`gpufeed.errors` code → failures the agent answered a reader with."""
         self.store_get = Buckets(STORE_GET_BUCKETS)
+        self.peer_get = Buckets(STORE_GET_BUCKETS)
+        """A block read from a peer, request to last byte: apart from the store's, so a cluster's
+        fast peer reads neither hide a slow store nor count as store GETs."""
         self.prefetch_lead = Buckets(PREFETCH_LEAD_BUCKETS)
         """Seconds from a prefetched block landing in the cache to its first read."""
         self.readers: dict[int, Reader] = {}
@@ -118,10 +122,13 @@ class Metrics:
         return name
 
     def fetched(self, mount: str, tier: str, size: int, seconds: float) -> None:
-        """One block (or whole object) read from a source after a miss."""
+        """One block (or whole object) read after a miss from `tier`: "store" or "peer"."""
         key = (self.mount(mount), tier)
         self.misses[key] += 1
         self.miss_bytes[key] += size
+        if tier == "peer":
+            self.peer_get.observe(seconds)
+            return
         self.store_get.observe(seconds)
         self.latency_s = 0.9 * self.latency_s + 0.1 * seconds
 

@@ -1,20 +1,22 @@
 """`gpufeed top`: what the node's readers get from the cache and the store, live.
 
-Two `Usage` counts from the agent, `--interval` apart, make the rates: per mount the hit ratio,
-MB/s from the cache and from the store, and stall % (seconds reads waited on misses per second,
-summed over readers: 100 % is one reader waiting all the time); the cache's use against its
-limit; prefetch queued, samples and blocks ahead, and lead (mean seconds from a prefetched block landing to
-its first read, over the interval); the reading processes by pid. Readers report their hits every
-2 s or 512 hits, so a rate over a shorter interval moves in steps.
+Two counts from the agent, `--interval` apart, make the rates: per mount the hit ratio, MB/s
+from the cache and from the store (and, on a node of a cache cluster, from peers apart from the
+store's), and stall % (seconds reads waited on misses per second, summed over readers: 100 % is
+one reader waiting all the time); the cache's use against its limit; prefetch queued, samples
+and blocks ahead, and lead (mean seconds from a prefetched block landing to its first read, over
+the interval); the reading processes by pid. Readers report their hits every 2 s or 512 hits,
+so a rate over a shorter interval moves in steps.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import typer
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
@@ -25,7 +27,7 @@ from gpufeed.cli.metrics import running_agent
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
-from gpufeed.rpc.messages import MountUsage, ReaderUsage, Usage, UsageInfo
+from gpufeed.rpc.messages import Metrics, MetricsText, MountUsage, ReaderUsage, Usage, UsageInfo
 
 TOP_READERS = 10
 MB = 1e6
@@ -44,14 +46,25 @@ def _command(pid: int) -> str:
     return " ".join(" ".join(w.decode(errors="replace").split()) for w in words if w)[:60]  # a `python -c` script's newlines too
 
 
-def snapshot(before: UsageInfo, after: UsageInfo, agent_pid: int) -> dict[str, Any]:
-    """Rates over the time between two counts, and the totals: what `--json` prints."""
-    dt = max(after.time - before.time, 1e-9)
-    earlier = {m.mount: m for m in before.mounts}
+class Count(NamedTuple):
+    """What the agent had counted at one moment."""
+
+    usage: UsageInfo
+    peer_bytes: dict[str, int]
+    """Mount → of its `miss_bytes`, the bytes fetched from cache-cluster peers (the rest came from
+    the store), from the agent's `gpufeed_miss_bytes_total{tier="peer"}`."""
+
+
+def snapshot(before: Count, after: Count, agent_pid: int) -> dict[str, Any]:
+    """Rates over the time between two counts, and the totals: what `--json` prints. A mount's
+    `miss_bytes` are what the agent fetched for it, `store_bytes` and `peer_bytes` where from."""
+    dt = max(after.usage.time - before.usage.time, 1e-9)
+    earlier = {m.mount: m for m in before.usage.mounts}
     mounts = []
-    for m in after.mounts:
+    for m in after.usage.mounts:
         p = earlier.get(m.mount) or MountUsage(m.mount, 0, 0, 0, 0, 0.0)
         hits, misses = m.hits - p.hits, m.misses - p.misses
+        peer, peer_before = after.peer_bytes.get(m.mount, 0), before.peer_bytes.get(m.mount, 0)
         mounts.append({
             "mount": m.mount,
             "hit_ratio": _ratio(hits, misses),
@@ -59,17 +72,20 @@ def snapshot(before: UsageInfo, after: UsageInfo, agent_pid: int) -> dict[str, A
             "hits_per_s": hits / dt,
             "misses_per_s": misses / dt,
             "cache_mb_per_s": (m.hit_bytes - p.hit_bytes) / dt / MB,
-            "store_mb_per_s": (m.miss_bytes - p.miss_bytes) / dt / MB,
+            "store_mb_per_s": max(0, (m.miss_bytes - peer) - (p.miss_bytes - peer_before)) / dt / MB,
+            "peer_mb_per_s": (peer - peer_before) / dt / MB,
             "stall_pct": 100 * (m.stall_s - p.stall_s) / dt,
             "hits": m.hits,
             "misses": m.misses,
             "hit_bytes": m.hit_bytes,
             "miss_bytes": m.miss_bytes,
+            "store_bytes": m.miss_bytes - peer,
+            "peer_bytes": peer,
             "stall_s": m.stall_s,
         })
-    known = {r.pid: r for r in before.readers}
+    known = {r.pid: r for r in before.usage.readers}
     readers: list[dict[str, Any]] = []
-    for r in after.readers:
+    for r in after.usage.readers:
         if r.pid == os.getpid():
             continue  # this command's own connection
         q = known.get(r.pid) or ReaderUsage(r.pid, 0, 0, 0, 0.0)
@@ -78,29 +94,30 @@ def snapshot(before: UsageInfo, after: UsageInfo, agent_pid: int) -> dict[str, A
             "command": _command(r.pid),
             "hits_per_s": (r.hits - q.hits) / dt,
             "cache_mb_per_s": (r.hit_bytes - q.hit_bytes) / dt / MB,
-            "store_mb_per_s": (r.fetched_bytes - q.fetched_bytes) / dt / MB,
+            "fetched_mb_per_s": (r.fetched_bytes - q.fetched_bytes) / dt / MB,
             "stall_pct": 100 * (r.stall_s - q.stall_s) / dt,
             "hits": r.hits,
             "stall_s": r.stall_s,
         })
-    readers.sort(key=lambda r: (-(r["cache_mb_per_s"] + r["store_mb_per_s"]), -r["hits"], r["pid"]))
-    leads = after.prefetch_leads - before.prefetch_leads
+    readers.sort(key=lambda r: (-(r["cache_mb_per_s"] + r["fetched_mb_per_s"]), -r["hits"], r["pid"]))
+    was, now = before.usage, after.usage
+    leads = now.prefetch_leads - was.prefetch_leads
     return {
         "interval_s": dt,
         "agent_pid": agent_pid,
-        "clients": after.clients,
+        "clients": now.clients,
         "cache": {
-            "bytes": after.bytes,
-            "limit": after.limit,
-            "quota": after.quota,
-            "blocks": after.blocks,
-            "used_pct": 100 * after.bytes / after.limit if after.limit else None,
+            "bytes": now.bytes,
+            "limit": now.limit,
+            "quota": now.quota,
+            "blocks": now.blocks,
+            "used_pct": 100 * now.bytes / now.limit if now.limit else None,
         },
         "prefetch": {
-            "queued": after.prefetch_queued,
-            "ahead_blocks": after.prefetch_ahead,
-            "ahead_samples": after.prefetch_ahead_samples,
-            "lead_s": (after.prefetch_lead_s - before.prefetch_lead_s) / leads if leads else None,
+            "queued": now.prefetch_queued,
+            "ahead_blocks": now.prefetch_ahead,
+            "ahead_samples": now.prefetch_ahead_samples,
+            "lead_s": (now.prefetch_lead_s - was.prefetch_lead_s) / leads if leads else None,
         },
         "mounts": mounts,
         "readers": readers[:TOP_READERS],
@@ -121,16 +138,21 @@ def render(shot: dict[str, Any]) -> Group:
         f"{cache['blocks']} blocks · {shot['clients']} connections · prefetch {prefetch['queued']} queued, "
         f"{prefetch['ahead_samples']:,} samples / {prefetch['ahead_blocks']} blocks ahead{lead} · over {shot['interval_s']:.1f} s"
     )
-    mounts = Table("mount", "hit ratio", "hits/s", "cache MB/s", "store MB/s", "stall %", "hit ratio (all)", box=None)
+    peers = any(m["peer_bytes"] for m in shot["mounts"])  # a column only on a node that read from peers
+    mounts = Table(
+        "mount", "hit ratio", "hits/s", "cache MB/s", "store MB/s", *(["peer MB/s"] if peers else []), "stall %",
+        "hit ratio (all)", box=None,
+    )
     for m in shot["mounts"]:
         mounts.add_row(
             m["mount"], _percent(m["hit_ratio"]), f"{m['hits_per_s']:,.0f}", f"{m['cache_mb_per_s']:,.1f}",
-            f"{m['store_mb_per_s']:,.1f}", f"{m['stall_pct']:.0f}", _percent(m["hit_ratio_total"]),
+            f"{m['store_mb_per_s']:,.1f}", *([f"{m['peer_mb_per_s']:,.1f}"] if peers else []), f"{m['stall_pct']:.0f}",
+            _percent(m["hit_ratio_total"]),
         )
-    readers = Table("pid", "hits/s", "cache MB/s", "store MB/s", "stall %", "command", box=None)
+    readers = Table("pid", "hits/s", "cache MB/s", "fetched MB/s", "stall %", "command", box=None)
     for r in shot["readers"]:
         readers.add_row(
-            str(r["pid"]), f"{r['hits_per_s']:,.0f}", f"{r['cache_mb_per_s']:,.1f}", f"{r['store_mb_per_s']:,.1f}",
+            str(r["pid"]), f"{r['hits_per_s']:,.0f}", f"{r['cache_mb_per_s']:,.1f}", f"{r['fetched_mb_per_s']:,.1f}",
             f"{r['stall_pct']:.0f}", r["command"],
         )
     return Group(head, Text(""), mounts if shot["mounts"] else Text("no reads yet"), Text(""), readers)
@@ -171,5 +193,15 @@ def top(
         pass  # Ctrl-C is how a live view ends
 
 
-def _usage(agent: AgentClient) -> UsageInfo:
-    return agent.request(Usage(), UsageInfo, start=False)
+def _usage(agent: AgentClient) -> Count:
+    """The agent's counts now. Its metrics are asked first, so the peer bytes never exceed the
+    fetched bytes in the usage counted just after."""
+    text = agent.request(Metrics(), MetricsText, start=False).text
+    peer = {
+        sample.labels["mount"]: int(sample.value)
+        for family in text_string_to_metric_families(text)
+        if family.name == "gpufeed_miss_bytes"
+        for sample in family.samples
+        if sample.labels.get("tier") == "peer"
+    }
+    return Count(agent.request(Usage(), UsageInfo, start=False), peer)
