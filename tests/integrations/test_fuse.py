@@ -7,22 +7,29 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
+from gpufeed.bench.shaper import shaping
 from gpufeed.client import Client
+from gpufeed.client.connection import AgentUnavailable
 from gpufeed.config import Settings
 from gpufeed.integrations import fuse_mounts
 from gpufeed.namespace import Namespace
 from tests.agent.test_agent import agent_pids, make_files, stats
+from tests.agent.test_metrics import agent_metrics
 from tests.cli.test_cli import fails, ok
 from tests.conftest import HttpServer
 
@@ -245,13 +252,33 @@ def test_bad_input_is_one_line(tmp_path: Path, mountpoint: Path) -> None:
         from gpufeed.config import Settings
         from gpufeed.integrations import fuse_mounts
         try:
-            fuse_mounts.check(Settings.from_env(), Path(sys.argv[1]))
+            fuse_mounts.check(Settings.from_env(), Path(sys.argv[1]), *map(Path, sys.argv[2:]))
         except fuse_mounts.FuseError as exc:
             print(exc)
         """
     )
     refused = subprocess.run([*nobody, code, str(mountpoint)], capture_output=True, text=True, check=True)
     assert refused.stdout.strip() == f"{mountpoint}: permission denied: mount on a directory you own and can write"
+    # a /dev/fuse this user may not open: a copy of the device node, root's, mode 0600, in a
+    # directory anyone may search (tmp_path's parents are root's alone)
+    public = Path(tempfile.mkdtemp(prefix="gpufeed-dev-"))
+    try:
+        public.chmod(0o755)
+        device = public / "fuse"
+        real = os.stat(fuse_mounts.FUSE_DEVICE)
+        try:
+            os.mknod(device, stat.S_IFCHR | 0o600, real.st_rdev)
+        except PermissionError:
+            pytest.skip("no CAP_MKNOD here: cannot make a copy of /dev/fuse")
+        os.close(os.open(device, os.O_RDWR))  # the node works: root opens it
+        refused = subprocess.run([*nobody, code, str(mountpoint), str(device)], capture_output=True, text=True, check=True)
+        denied = "permission denied: add the user to the 'fuse' group or make the device readable"
+        assert refused.stdout.strip() == f"{device}: {denied}"
+        device.chmod(0o666)  # the same node, open to all: the check goes past it to the mountpoint
+        allowed = subprocess.run([*nobody, code, str(mountpoint), str(device)], capture_output=True, text=True, check=True)
+        assert allowed.stdout.strip() == f"{mountpoint}: permission denied: mount on a directory you own and can write"
+    finally:
+        shutil.rmtree(public)
 
 
 def test_ls_lists_mounts_with_their_callbacks(tmp_path: Path, mountpoint: Path) -> None:
@@ -276,6 +303,60 @@ def test_a_sequential_reader_of_a_big_file_has_the_next_blocks_prefetched(tmp_pa
         assert f.read(1 << 20) == data[: 1 << 20]
         until(lambda: stats().prefetched >= 2, what="blocks 1 and 2 prefetched while block 0 is read")
         assert f.read() == data[1 << 20 :]
+
+
+def test_no_read_ahead_leaves_the_next_blocks_to_the_reader(tmp_path: Path, mountpoint: Path) -> None:
+    """The mirror of the test above: the same reader, the same file, nothing fetched ahead of it.
+    (With read-ahead on, the blocks a reader reaches were asked for before it reached them, and
+    the agent counts a prefetched block before it answers the read that waited on it.)"""
+    data = os.urandom(20 << 20)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big.bin").write_bytes(data)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    assert "no read-ahead" in ok("fuse", str(mountpoint), "/data", "--no-warmup", "--no-read-ahead")
+    with open(mountpoint / "big.bin", "rb") as f:
+        assert f.read(1 << 20) == data[: 1 << 20]
+        assert f.read() == data[1 << 20 :]
+    after = stats()
+    assert after.prefetched == 0, "a block was fetched ahead of the reader"
+    assert after.bytes_fetched == len(data), "every block came on demand"
+    until(lambda: fuse_mounts.state(Settings.from_env(), mountpoint), what="the state file")
+    assert mount_state(mountpoint)["read_ahead"] is False
+    assert "read-ahead off" in ok("fuse", "ls")
+
+
+def test_a_demand_read_passes_the_background_warmup(nginx: HttpServer, tmp_path: Path, mountpoint: Path) -> None:
+    """480 files of 64 KiB behind 20 ms and 8 MB/s: the warmup queues them all at the agent and
+    needs 4 s. A script that opens the last of them (the warmup reaches it last), once the
+    warmup fetches at full width with hundreds of blocks behind, has its bytes while the warmup
+    has cached less than half of the rest: the read did not wait its turn in the warmup's queue.
+    (It does share the store's link with the warmup's fetches in flight, so it takes about one
+    round of them: 48 files here.)"""
+    site = nginx.root / f"warm-{tmp_path.name}"
+    site.mkdir()
+    for i in range(480):
+        (site / f"{i:03d}.bin").write_bytes(os.urandom(64 << 10))
+    upstream = urlsplit(nginx.url)
+    with shaping((upstream.hostname or "127.0.0.1", upstream.port or 80), 20, 8, tmp_path / "shaper.log") as port:
+        Namespace().add_mount("/slow", f"http://127.0.0.1:{port}/{site.name}")
+        client = Client()
+        mount(mountpoint, "/slow")
+
+        def warming() -> bool:
+            try:
+                metrics = agent_metrics()
+            except AgentUnavailable:  # the daemon's first request starts it
+                return False
+            return metrics[("gpufeed_fetches_in_flight", ())] >= 40 and metrics[("gpufeed_prefetch_queued", ())] >= 400
+
+        until(warming, what="the warmup to queue the prefix and fetch at full width")
+        assert dict((f.path, n) for f, n in client.cached_bytes("/slow"))["/slow/479.bin"] == 0, "the warmup got there first"
+        assert (mountpoint / "479.bin").read_bytes() == (site / "479.bin").read_bytes()
+        cached = {f.path: n == f.size for f, n in client.cached_bytes("/slow")}
+        assert cached.pop("/slow/479.bin")
+        warmed = sum(cached.values())
+        assert warmed < len(cached) / 2, f"the demand read waited for {warmed} of the warmup's {len(cached)} files"
+        ok("fuse", "stop", str(mountpoint))
 
 
 def test_bench_reads_through_a_plain_fuse_view_and_through_the_cached_mount(tmp_path: Path) -> None:

@@ -21,6 +21,9 @@ def fuse(
     words: list[str] = typer.Argument(..., help="MOUNTPOINT [NSPATH], or 'stop MOUNTPOINT', or 'ls'."),
     foreground: bool = typer.Option(False, "--foreground", "-f", help="Serve in this process until unmounted or signalled."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Load the mounted path into the cache in the background."),
+    read_ahead: bool = typer.Option(
+        True, "--read-ahead/--no-read-ahead", help="Fetch the next blocks of a big file while a reader goes through it in order."
+    ),
     as_json: bool = typer.Option(False, "--json", help="'ls': print the mounts as JSON."),
 ) -> None:
     """Mount NSPATH (default /) read-only at MOUNTPOINT: unchanged scripts read through the cache.
@@ -28,7 +31,8 @@ def fuse(
     Runs in the background unless --foreground; SIGTERM or SIGINT unmounts. A dead mount at
     MOUNTPOINT (its daemon was killed) is cleaned first. 'gpufeed fuse stop MOUNTPOINT'
     unmounts; 'gpufeed fuse ls' lists the mounts with their daemons' pid, file opens and
-    warmup progress."""
+    warmup progress. --no-warmup and --no-read-ahead turn off, for this mount, the background
+    load of NSPATH and the fetch of the blocks after a sequential reader's."""
     settings = Settings.from_env()
     if words[0] == "ls":
         if len(words) > 1:
@@ -53,11 +57,12 @@ def fuse(
     if foreground:
         from gpufeed.integrations.fuse import serve  # loads libfuse
 
-        serve(mountpoint, nspath, warmup=warmup, client=client)
+        serve(mountpoint, nspath, warmup=warmup, read_ahead=read_ahead, client=client)
         return
     client.close()
-    pid = fuse_mounts.start(settings, mountpoint, nspath, warmup=warmup)
+    pid = fuse_mounts.start(settings, mountpoint, nspath, warmup=warmup, read_ahead=read_ahead)
     warming = ", warming it up in the background" if warmup else ""
+    warming += "" if read_ahead else ", no read-ahead"
     out.print(
         f"mounted {nspath} at {mountpoint} (pid {pid}{warming}); stop: gpufeed fuse stop {mountpoint}",
         highlight=False,
@@ -85,7 +90,8 @@ def _list(settings: Settings, as_json: bool) -> None:
         status = "alive" if m.alive else "dead (the next 'gpufeed fuse' there cleans it)"
         out.print(
             f"{m.mountpoint}  {m.nspath}  pid {st.get('pid', '?')}  {status}  opens {opens}  "
-            f"callbacks per open {sum(calls.values()) / opens if opens else 0:.2f}  warmup {warm}",
+            f"callbacks per open {sum(calls.values()) / opens if opens else 0:.2f}  warmup {warm}"
+            f"{'' if st.get('read_ahead', True) else '  read-ahead off'}",
             highlight=False,
             soft_wrap=True,
         )

@@ -67,7 +67,8 @@ BLKSIZE = 128 << 10
 read of a JPEG asks for 128 KiB and the kernel's read-ahead fetches the whole file in one
 read request, where an 8 KiB first read took three."""
 READ_AHEAD_BLOCKS = 4
-"""Blocks fetched ahead of a sequential reader of a big file (16 MiB with 4 MiB blocks)."""
+"""Blocks fetched ahead of a sequential reader of a big file (16 MiB with 4 MiB blocks); none
+on a mount made with --no-read-ahead."""
 WARMUP_CHUNK_BYTES = 64 << 20
 """The background warmup queues this much at a time, and at most two chunks at once, so a
 million-file mount is not one agent request and demand reads find the store's slots free."""
@@ -86,6 +87,7 @@ class MountState:
     pid: int
     started: float
     warmup: bool
+    read_ahead: bool = True
     calls: dict[str, int] = field(default_factory=dict)
     warm_files: int = 0
     warm_total: int = 0
@@ -98,7 +100,8 @@ class _Prefetch(threading.Thread):
     """The one thread that talks to the agent about blocks nobody waits for: read-ahead of
     sequential readers and the background warmup of the mounted prefix. Demand reads go
     through `Client.read_range` on the callback's thread; the agent serves them in slots of
-    their own, so they pass whatever this thread has queued."""
+    their own, so they pass whatever this thread has queued (they still share the store's link
+    with the prefetches in flight, at most the agent's PREFETCH_CONCURRENCY)."""
 
     def __init__(self, client: Client, nspath: str, state: MountState) -> None:
         super().__init__(name="gpufeed-fuse-prefetch", daemon=True)
@@ -303,7 +306,7 @@ class FeedOperations(mfusepy.Operations):
             self._failed("read", path, exc)
         ref = handle.blocks
         end = offset + len(data)
-        if ref is not None and offset == opened.next and ref.blocks.count > 1:
+        if self.state.read_ahead and ref is not None and offset == opened.next and ref.blocks.count > 1:
             self._read_ahead(opened, end // ref.block_size, ref.blocks.count)
         opened.next = end
         return data
@@ -416,14 +419,14 @@ class _FeedFUSE(mfusepy.FUSE):
 mfusepy._libfuse.fuse_invalidate_path.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 
 
-def serve(mountpoint: Path, nspath: str, *, warmup: bool = True, client: Client | None = None) -> None:
+def serve(mountpoint: Path, nspath: str, *, warmup: bool = True, read_ahead: bool = True, client: Client | None = None) -> None:
     """Mount and serve until unmounted (`gpufeed fuse stop`, fusermount3 -u) or SIGTERM/SIGINT,
     which libfuse turns into an unmount; blocks in the foreground."""
     client = client or Client()
     item = client.stat(nspath)
     if not item.is_dir:
         raise GpufeedError(f"{nspath}: is a file; mount a directory of the namespace")
-    state = MountState(str(mountpoint), nspath, os.getpid(), time.time(), warmup)
+    state = MountState(str(mountpoint), nspath, os.getpid(), time.time(), warmup, read_ahead)
     operations = FeedOperations(client, nspath, state)
     try:
         _FeedFUSE(
@@ -454,11 +457,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mountpoint", type=Path)
     parser.add_argument("nspath")
     parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--no-read-ahead", action="store_true")
     args = parser.parse_args(argv)
     try:
         settings = Settings.from_env()
         configure(settings.log_format, "fuse", debug=settings.debug)
-        serve(args.mountpoint.absolute(), args.nspath, warmup=not args.no_warmup)
+        serve(args.mountpoint.absolute(), args.nspath, warmup=not args.no_warmup, read_ahead=not args.no_read_ahead)
     except GpufeedError as exc:
         print(f"gpufeed: error: {exc}", file=sys.stderr)
         return exc.exit_code

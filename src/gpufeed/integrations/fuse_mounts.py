@@ -140,8 +140,9 @@ def _tail(log: Path) -> str:
     return (said or lines or [""])[0].removeprefix("gpufeed: error: ")
 
 
-def daemon_argv(mountpoint: Path, nspath: str, warmup: bool) -> list[str]:
-    return [sys.executable, "-m", "gpufeed.integrations.fuse", str(mountpoint), nspath, *([] if warmup else ["--no-warmup"])]
+def daemon_argv(mountpoint: Path, nspath: str, warmup: bool, read_ahead: bool = True) -> list[str]:
+    switches = [*([] if warmup else ["--no-warmup"]), *([] if read_ahead else ["--no-read-ahead"])]
+    return [sys.executable, "-m", "gpufeed.integrations.fuse", str(mountpoint), nspath, *switches]
 
 
 def state_file(home: Path, mountpoint: Path) -> Path:
@@ -173,14 +174,14 @@ def _environment(settings: Settings) -> dict[str, str]:
     return env
 
 
-def start(settings: Settings, mountpoint: Path, nspath: str, *, warmup: bool) -> int:
+def start(settings: Settings, mountpoint: Path, nspath: str, *, warmup: bool, read_ahead: bool = True) -> int:
     """Start the daemon in the background and wait until the mount is up; returns its pid.
     The daemon logs to GPUFEED_HOME/fuse/<mountpoint>.log."""
     log = log_file(settings, mountpoint)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         daemon = subprocess.Popen(
-            daemon_argv(mountpoint, nspath, warmup),
+            daemon_argv(mountpoint, nspath, warmup, read_ahead),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=out,
