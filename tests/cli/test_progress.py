@@ -1,5 +1,6 @@
-"""Progress of long commands when stderr is not a terminal, `--quiet`, `--json`, and Ctrl-C on a
-warmup of a big object: real processes over a real HTTP store behind the latency shaper."""
+"""Progress of long commands (mount add, warmup, pack, verify) when stderr is not a terminal,
+`--quiet`, `--json`, and Ctrl-C on a warmup of a big object: real processes over a real HTTP
+store behind the latency shaper."""
 
 from __future__ import annotations
 
@@ -60,6 +61,31 @@ def test_quiet_prints_no_progress_and_json_parses(slow_site: str) -> None:
     summary = json.loads(warm.stdout)
     assert (summary["files"], summary["bytes"], summary["fetched_bytes"]) == (12, 48000, 48000)
     assert json.loads(ok("warmup", "/slow", "-q", "--json"))["fetched_bytes"] == 0
+
+
+def test_pack_and_verify_show_progress_and_take_quiet_and_json(slow_site: str, tmp_path: Path) -> None:
+    ok("mount", "add", "/slow", slow_site, "-q")
+    packed = gpufeed("pack", "/slow", f"file://{tmp_path}/pack", "--workers", "1", env=FAST_LINES)
+    assert packed.returncode == 0, packed.stderr
+    lines = packed.stderr.splitlines()
+    assert lines and all(line.startswith("pack: ") for line in lines), lines
+    assert lines[-1].startswith("pack: 12/12 files, 46.9 KiB/46.9 KiB, "), lines[-1]
+    assert "\x1b" not in packed.stderr and packed.stdout.startswith("packed 12 files"), packed.stdout
+    quiet = gpufeed("pack", "/slow", f"file://{tmp_path}/again", "-q", "--json", env=FAST_LINES)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    assert (json.loads(quiet.stdout)["files"], json.loads(quiet.stdout)["up_to_date"]) == (12, False)
+
+    verified = gpufeed("verify", "/slow", env=FAST_LINES)
+    assert verified.returncode == 0, verified.stderr
+    lines = verified.stderr.splitlines()
+    assert lines and all(line.startswith("verify: ") for line in lines), lines
+    assert lines[-1].startswith("verify: 12/12 files, 46.9 KiB/46.9 KiB, "), lines[-1]
+    assert "verified 12 files" in verified.stdout and "verify:" not in verified.stdout
+    again = gpufeed("verify", "/slow", "--quiet", "--json", env=FAST_LINES)
+    assert again.returncode == 0 and again.stderr == "", again.stderr
+    result = json.loads(again.stdout)
+    assert (result["files"], result["bytes"], result["recorded"], result["matched"]) == (12, 48000, 0, 12)
+    assert result["mismatches"] == []
 
 
 def test_ctrl_c_on_a_warmup_of_a_big_object_returns_at_once_and_says_what_is_cached(

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 import typer
 
 from gpufeed import verify as verifying
-from gpufeed.cli.console import err, human_bytes, out
+from gpufeed.cli.console import err, human_bytes, out, print_json
 from gpufeed.cli.progress import Meter
 from gpufeed.client import Client
 
 
-def verify(nspath: str = typer.Argument(..., help="Namespace path (a file or a directory) to hash.")) -> None:
+def verify(
+    nspath: str = typer.Argument(..., help="Namespace path (a file or a directory) to hash."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr; errors and mismatches still print."),
+    as_json: bool = typer.Option(False, "--json", help="Print the counts and every mismatch as one JSON object."),
+) -> None:
     """Hash every file under NSPATH through the read path (sha256, or the algorithm of a hash
     the manifest has). Records the hash where the manifest has none; where it has one, prints
     each mismatch (path and both hashes) and exits 1."""
@@ -21,10 +26,15 @@ def verify(nspath: str = typer.Argument(..., help="Namespace path (a file or a d
     target = verifying.listed(client, nspath)
     files = target.files
     started = time.monotonic()
-    with Meter("verify", len(files), sum(f.size for f in files)) as meter:
+    with Meter("verify", len(files), sum(f.size for f in files), quiet) as meter:
         done = verifying.verify(client, target, lambda p: meter.update(p.files, p.bytes))
     for mismatch in done.mismatches:
         err.print(f"gpufeed: mismatch: {mismatch}", markup=False, highlight=False, soft_wrap=True)
+    if as_json:
+        print_json({**asdict(done), "seconds": round(time.monotonic() - started, 3)})
+        if done.mismatches:
+            raise typer.Exit(1)
+        return
     out.print(
         f"verified {done.files} files, {human_bytes(done.bytes)} in {time.monotonic() - started:.1f} s: "
         f"{done.recorded} hashes recorded, {done.matched} matched, {len(done.mismatches)} mismatched",
