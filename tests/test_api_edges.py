@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import gpufeed
+from gpufeed.errors import ReadOnlyMount
 from gpufeed.namespace import Namespace
 
 HEAVY = {"torch", "matplotlib", "obstore", "aiohttp", "numpy", "redis", "typer", "rich", "click", "msgspec", "gpufeed.cli"}
@@ -23,14 +24,16 @@ def mounted(dataset: Path) -> Path:
     return dataset
 
 
-def test_open_accepts_rb_and_refuses_other_modes(mounted: Path) -> None:
+def test_open_accepts_rb_refuses_other_modes_and_writes_to_read_only_mounts(mounted: Path) -> None:
     with gpufeed.open("/data/README", "rb") as f:
         assert f.read() == b"readme\n"
     with gpufeed.open("/data/README", mode="rb") as f:
         assert f.read(3) == b"rea"
-    for mode in ("r", "w", "wb", "ab", "rb+", "rt", ""):
+    for mode in ("r", "w", "ab", "rb+", "rt", ""):
         with pytest.raises(ValueError, match=re.escape(f"open(): mode {mode!r} is not supported")):
-            gpufeed.open("/data/README", mode)
+            gpufeed.open("/data/README", mode)  # type: ignore[call-overload]
+    with pytest.raises(ReadOnlyMount, match="mount /data .* is read-only"):
+        gpufeed.open("/data/README", "wb")
     with pytest.raises(TypeError, match="open\\(\\): mode must be a str, not int"):
         gpufeed.open("/data/README", 0)  # type: ignore[arg-type]
 

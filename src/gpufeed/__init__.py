@@ -18,14 +18,20 @@ import types
 TYPE_CHECKING = False  # typing costs an import; type checkers treat this name as True
 if TYPE_CHECKING:
     from collections.abc import Iterator
+    from typing import Literal, overload
 
-    from gpufeed.client import Client, FeedFile
+    from gpufeed.client import Client, FeedFile, FeedWriter
     from gpufeed.errors import GpufeedError
     from gpufeed.namespace import FileStat
+else:
+
+    def overload(function: object) -> object:  # typing's, without importing typing at run time
+        return function
 
 _LAZY = {
     "Client": "gpufeed.client",
     "FeedFile": "gpufeed.client",
+    "FeedWriter": "gpufeed.client",
     "FileStat": "gpufeed.namespace",
     "GpufeedError": "gpufeed.errors",
 }
@@ -74,9 +80,30 @@ def client() -> Client:
     return _default
 
 
-def open(path: str | os.PathLike[str], mode: str = "rb") -> FeedFile:  # noqa: A001 - mirrors the builtin on purpose
-    """A seekable read-only binary file; `mode` exists so `open(p, "rb")` reads as the builtin does."""
-    return client().open(path, mode)
+@overload
+def open(path: str | os.PathLike[str], mode: Literal["rb", "br"] = "rb") -> FeedFile: ...  # noqa: A001
+@overload
+def open(path: str | os.PathLike[str], mode: Literal["wb", "bw"], *, sync: bool = False) -> FeedWriter: ...  # noqa: A001, F811
+def open(path: str | os.PathLike[str], mode: str = "rb", *, sync: bool = False) -> FeedFile | FeedWriter:  # noqa: A001, F811
+    """`rb`: a seekable read-only binary file. `wb`: a new version of a file in a writable mount
+    (`mount add --writable`), readable on this node once closed and uploaded in the background;
+    `sync=True` makes `close()` wait for the upload."""
+    return client().open(path, mode, sync=sync)
+
+
+def write(path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, sync: bool = False) -> None:
+    """Write `path` whole (`open(path, "wb")` for a file written piece by piece)."""
+    client().write(path, data, sync=sync)
+
+
+def sync(path: str | os.PathLike[str] = "/") -> int:
+    """Wait until this node's writes under `path` are in their stores; how many were waited for."""
+    return client().sync(path)
+
+
+def remove(path: str | os.PathLike[str]) -> None:
+    """Delete a file of a writable mount from its store and the manifest."""
+    client().remove(path)
 
 
 def read(path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> bytes:
@@ -96,4 +123,7 @@ def walk(path: str | os.PathLike[str]) -> Iterator[FileStat]:
     return client().walk(path)
 
 
-__all__ = ["Client", "FeedFile", "FileStat", "GpufeedError", "client", "ls", "open", "read", "stat", "walk"]
+__all__ = [
+    "Client", "FeedFile", "FeedWriter", "FileStat", "GpufeedError", "client", "ls", "open", "read", "remove", "stat", "sync",
+    "walk", "write",
+]

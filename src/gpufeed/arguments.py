@@ -29,11 +29,12 @@ def integer(value: object, name: str, caller: str) -> int:
         raise TypeError(f"{caller}(): {name} must be an int, not {type(value).__name__}") from None
 
 
-def mode(value: object, caller: str) -> None:
-    """Only 'rb' (or 'br'): gpufeed files are read-only and binary."""
-    if value == "rb":
-        return
+def mode(value: object, caller: str) -> str:
+    """'rb' or 'wb' (letters in any order): gpufeed files are binary, read whole or written whole."""
     if not isinstance(value, str):
         raise TypeError(f"{caller}(): mode must be a str, not {type(value).__name__}")
-    if sorted(value) != ["b", "r"]:
-        raise ValueError(f"{caller}(): mode {value!r} is not supported: gpufeed files are read-only and binary, use 'rb'")
+    if sorted(value) == ["b", "r"]:
+        return "rb"
+    if sorted(value) == ["b", "w"]:
+        return "wb"
+    raise ValueError(f"{caller}(): mode {value!r} is not supported: gpufeed files are binary, use 'rb' or 'wb'")

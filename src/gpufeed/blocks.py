@@ -118,11 +118,14 @@ def object_blocks(url: str, options: dict[str, str], info: ObjectInfo, block_siz
     check (immutable mounts) may hold a newer version's bytes, so they get names of their own.
     Blocks of an object the manifest holds a content hash for are cached only after the whole
     object matched it, so they too get names of their own: a block cached unchecked (by a mount
-    without the hash) is never served as a checked one."""
+    without the hash) is never served as a checked one. The hash names those bytes exactly, so it
+    stands for the version: an object written through gpufeed keeps its blocks' names when its
+    upload adds the store's ETag to the manifest."""
     if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block size {block_size} is outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
-    mark = ("" if checked else "\0unchecked") + (f"\0{info.content_hash}" if info.content_hash else "")
-    identity = f"{source_identity(url, options)}\0{info.key}\0{info.version}\0{block_size}{mark}"
+    mark = "" if checked else "\0unchecked"
+    bytes_named = f"#{info.content_hash}" if info.content_hash else info.version
+    identity = f"{source_identity(url, options)}\0{info.key}\0{bytes_named}\0{block_size}{mark}"
     return ObjectBlocks(xxhash.xxh3_128_hexdigest(identity.encode()), info.size, block_size)
 
 

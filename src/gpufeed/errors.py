@@ -92,6 +92,18 @@ class PackError(GpufeedError):
     code = "pack"
 
 
+class ReadOnlyMount(GpufeedError, PermissionError):
+    """A write to a mount not marked writable (`mount add --writable`), or to a packed mount."""
+
+    code = "read_only_mount"
+
+
+class WriteError(GpufeedError):
+    """A write that cannot be staged or uploaded: a full staging disk, a store that refuses it."""
+
+    code = "write"
+
+
 class PoolError(GpufeedError):
     """The GPU pool cannot serve: no Ray cluster, no Ray installed, a lease lost or reclaimed."""
 

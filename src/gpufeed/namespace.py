@@ -28,6 +28,7 @@ from gpufeed.errors import (
     ObjectMissing,
     PackError,
     PathNotFound,
+    ReadOnlyMount,
 )
 from gpufeed.meta import MetaEngine, Mount, open_engine
 from gpufeed.meta.base import Entry
@@ -86,7 +87,7 @@ class Resolved:
         return parent, name
 
 
-CACHE_OPTIONS = ("cache", "block_size", "verify", "format")
+CACHE_OPTIONS = ("cache", "block_size", "verify", "format", "writable")
 """Mount options the read path consumes (`format`: how the source's objects become files, see
 `pack.layout.FORMATS`); every other option belongs to the source."""
 
@@ -110,6 +111,11 @@ class CachePolicy:
             raise InvalidArgument(f"{mount.path}: block_size {block_size} must be between 4KiB and 1GiB")
         verify = parse_verify(options["verify"], "option verify") if "verify" in options else settings.verify
         return cls(cache == "on", block_size, verify)
+
+
+def is_writable(mount: Mount) -> bool:
+    """Whether writes through gpufeed may go to the mount's store (`mount add --writable`)."""
+    return mount.options.get("writable") == "true" and not packed(mount)
 
 
 def packed(mount: Mount) -> bool:
@@ -213,6 +219,7 @@ class Namespace:
         max_age: float | None = None,
         checksums: str | None = None,
         allow_empty: bool = False,
+        writable: bool = False,
         listed: Callable[[ManifestStats], None] | None = None,
     ) -> tuple[Mount, ManifestStats]:
         """Validate, list the source once into a manifest, then record the mount. `checksums`
@@ -230,8 +237,13 @@ class Namespace:
         for other in self.mounts(fresh=True):
             if path == other.path or path.startswith(other.path + "/") or other.path.startswith(path + "/"):
                 raise MountConflict(f"cannot mount {url} at {path}: it overlaps the mount {other.path} ({other.url})")
-        mount = Mount(path, url, dict(options or {}), immutable=immutable, max_age=max_age)
+        options = {**(options or {}), **({"writable": "true"} if writable else {})}
+        mount = Mount(path, url, options, immutable=immutable, max_age=max_age)
         CachePolicy.of(mount, self.settings)
+        if mount.options.get("writable", "false") not in ("true", "false"):
+            raise InvalidArgument(f"{path}: option writable={mount.options['writable']!r}: expected true or false")
+        if is_writable(mount) and url.startswith(("http://", "https://")):
+            raise InvalidArgument(f"{url}: an HTTP source cannot be written (--writable needs file, s3, gs or az)")
         hashes = parse_checksums(checksums) if checksums is not None else None
         source = open_source(url, source_options(mount), self.settings)
         from gpufeed.pack import mounting
@@ -422,6 +434,48 @@ class Namespace:
         except MetadataError:
             pass  # a read-only or full GPUFEED_HOME: this handle is pinned all the same; the next open pins again
         return where, source, pinned.object_info()
+
+    # -- writes (recorded by the agent, which stages and uploads them) ----------------------
+
+    def writable_target(self, path: str) -> Resolved:
+        """Where a write of `path` goes: a file path in a writable mount, not a directory."""
+        path = normalize(path)
+        where = self.resolve(path)
+        if where is None or where.key == "":
+            raise IsADirectory(f"{path}: is a directory")
+        if not is_writable(where.mount):
+            why = "a packed mount is read-only" if packed(where.mount) else "mount it with --writable to write"
+            raise ReadOnlyMount(f"{path}: mount {where.mount.path} ({where.mount.url}) is read-only: {why}")
+        parent, name = where.split
+        entry = self.engine.lookup(where.mount.generation, parent, name)
+        if entry is not None and entry.is_dir:
+            raise IsADirectory(f"{path}: is a directory")
+        return where
+
+    def record_written(self, mount_path: str, info: ObjectInfo, *, replacing: ObjectInfo | None = None) -> bool:
+        """Put a written object into the mount's current manifest, with its directories. With
+        `replacing`, only while the entry is still that version (an upload recording its ETag
+        must not overwrite a newer write of the same path); returns whether it was recorded."""
+        mount = self.mount(mount_path)
+        parent, _, name = info.key.rpartition("/")
+        if replacing is not None:
+            entry = self.engine.lookup(mount.generation, parent, name)
+            if entry is None or entry.object_info().version != replacing.version or entry.content_hash != info.content_hash:
+                return False
+        rows = []
+        directory = parent
+        while directory:
+            grand, _, base = directory.rpartition("/")
+            rows.append(Entry(grand, base, True))
+            directory = grand
+        rows.append(Entry.of(info))
+        self.engine.put_entries(mount.generation, rows)
+        return True
+
+    def record_removed(self, mount_path: str, key: str) -> None:
+        mount = self.mount(mount_path)
+        parent, _, name = key.rpartition("/")
+        self.engine.delete_entry(mount.generation, parent, name)
 
     def container(self, where: Resolved, member: ObjectInfo) -> ObjectInfo:
         """The object a pack member's bytes lie in (its shard), as the mount listed it: every

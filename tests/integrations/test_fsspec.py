@@ -1,4 +1,4 @@
-"""fsspec protocol `gpufeed://`: pandas and pyarrow read through the cache."""
+"""fsspec protocol `gpufeed://`: pandas and pyarrow read through the cache; writes to writable mounts."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
+import gpufeed
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
-from gpufeed.errors import InvalidArgument
+from gpufeed.errors import InvalidArgument, ReadOnlyMount
 from gpufeed.namespace import Namespace
 
 
@@ -46,6 +47,25 @@ def test_listing_info_and_ranges(table: pd.DataFrame) -> None:
     assert fs.find("/data") == ["/data/notes.txt", "/data/tables/index.parquet"]
 
 
-def test_the_namespace_is_read_only(table: pd.DataFrame) -> None:
-    with pytest.raises(InvalidArgument, match="read-only"):
+def test_a_mount_not_writable_refuses_writes(table: pd.DataFrame) -> None:
+    with pytest.raises(ReadOnlyMount, match="mount it with --writable"):
         fsspec.filesystem("gpufeed").open("/data/new.txt", "wb")
+    with pytest.raises(InvalidArgument, match="mode 'ab' is not supported"):
+        fsspec.filesystem("gpufeed").open("/data/new.txt", "ab")
+
+
+def test_writes_pipe_copy_move_and_remove_on_a_writable_mount(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    Namespace().add_mount("/out", f"file://{out}", writable=True, allow_empty=True)
+    fs = fsspec.filesystem("gpufeed")
+    fs.pipe_file("gpufeed:///out/a/one.txt", b"one")
+    with fs.open("/out/a/two.txt", "wb") as f:
+        f.write(b"two")
+    fs.copy("/out/a/one.txt", "/out/b/one-copy.txt")
+    fs.mv("/out/a/two.txt", "/out/b/two.txt")
+    fs.rm("/out/a/one.txt")
+    assert fs.find("/out") == ["/out/b/one-copy.txt", "/out/b/two.txt"]
+    assert fs.cat_file("/out/b/two.txt") == b"two"
+    gpufeed.sync("/out")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == ["b/one-copy.txt", "b/two.txt"]

@@ -106,3 +106,19 @@ def test_unreachable_keys_are_skipped_and_counted(namespace: Namespace) -> None:
     batches = list(entries_from_listing(listing("ok", "a//b", "../up", "x/./y", ""), stats))
     assert [e.key for batch in batches for e in batch] == ["ok"]
     assert (stats.files, stats.skipped) == (1, 4)
+
+
+def test_a_written_object_is_recorded_with_its_directories_and_removed_alone(namespace: Namespace, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "seed").write_bytes(b"s")
+    namespace.add_mount("/out", f"file://{tmp_path / 'src'}", writable=True)
+    pending = ObjectInfo("runs/7/ckpt.bin", 3, 5.0, None, "sha256:" + "ab" * 32)
+    assert namespace.record_written("/out", pending)
+    assert [item.path for item in namespace.ls("/out/runs")] == ["/out/runs/7"]
+    uploaded = ObjectInfo("runs/7/ckpt.bin", 3, 6.0, '"etag"', pending.content_hash)
+    newer = ObjectInfo("runs/7/ckpt.bin", 4, 7.0, None, "sha256:" + "cd" * 32)
+    assert namespace.record_written("/out", newer)
+    assert not namespace.record_written("/out", uploaded, replacing=pending), "a newer write of the path stays"
+    assert namespace.stat("/out/runs/7/ckpt.bin").size == 4
+    namespace.record_removed("/out", "runs/7/ckpt.bin")
+    assert namespace.ls("/out/runs/7") == [] and [i.path for i in namespace.ls("/out")] == ["/out/runs", "/out/seed"]

@@ -33,6 +33,7 @@ from gpufeed.agent.metrics import OTHER, Metrics
 from gpufeed.agent.mounts import MountCoverage
 from gpufeed.agent.peers import ClusterNode
 from gpufeed.agent.sessions import Sessions
+from gpufeed.agent.writer import StagedBlocks, Uploads
 from gpufeed.config import Settings, parse_addr
 from gpufeed.errors import GpufeedError
 from gpufeed.rpc import codec
@@ -41,6 +42,7 @@ from gpufeed.rpc.messages import (
     Cancel,
     Clear,
     Cleared,
+    Commit,
     Done,
     Failure,
     Fetch,
@@ -52,10 +54,12 @@ from gpufeed.rpc.messages import (
     Queued,
     ReaderUsage,
     Refused,
+    Remove,
     Reply,
     Request,
     Shutdown,
     Stats,
+    Sync,
     Usage,
     UsageInfo,
 )
@@ -117,6 +121,8 @@ class Agent:
             if settings.cluster
             else None
         )
+        self.uploads = Uploads(settings, config.primary, self.manager, self.metrics)
+        self.fetcher.chain.insert(0, StagedBlocks(self.uploads))  # a write not uploaded yet is read from here
         self.coverage = MountCoverage(settings, config.dirs)
         self.registry = exporter.registry(self.metrics, self.gauges, lambda: self.coverage.latest)
         self._handlers: dict[type, Callable[[Any, Connection], Awaitable[Reply | None]]] = {
@@ -130,6 +136,9 @@ class Agent:
             Shutdown: self._shutdown,
             MetricsRequest: self._metrics,
             Usage: self._usage,
+            Commit: self._commit,
+            Sync: self._sync,
+            Remove: self._remove,
         }
         self._kinds = {kind: kind.__name__.lower() for kind in self._handlers}
         """Request type → its `kind` label (the message's tag)."""
@@ -228,6 +237,16 @@ class Agent:
         self.sessions.hits(request.names)
         self.metrics.served(conn.pid, request.served)
         return Done() if request.reply else None
+
+    async def _commit(self, request: Commit, conn: Connection) -> Reply:
+        return await self.uploads.commit(request)
+
+    async def _sync(self, request: Sync, conn: Connection) -> Reply:
+        return await self.uploads.sync(request)
+
+    async def _remove(self, request: Remove, conn: Connection) -> Reply:
+        await self.uploads.remove(request)
+        return Done()
 
     async def _clear(self, request: Clear, conn: Connection) -> Reply:
         return Cleared(self.manager.evict_to(0))
@@ -367,7 +386,8 @@ class Agent:
         assert self._stop is not None and self.config.idle_timeout is not None
         while not self._stop.is_set():
             await asyncio.sleep(min(1.0, self.config.idle_timeout))
-            if self.connections == 0 and time.monotonic() - self.last_activity > self.config.idle_timeout:
+            idle = self.connections == 0 and not self.uploads.pending
+            if idle and time.monotonic() - self.last_activity > self.config.idle_timeout:
                 log.info("no clients for %.0f s: exiting", self.config.idle_timeout)
                 self._stop.set()
 
@@ -382,6 +402,7 @@ class Agent:
             self.coverage.start()  # read by a dashboard, a scrape, or the cluster (the GPU pool's placement)
         self._stop = asyncio.Event()
         self.fetcher.start()
+        self.uploads.recover()
         if self.cluster is not None:
             await self.cluster.start()
         loop = asyncio.get_running_loop()
@@ -407,6 +428,7 @@ class Agent:
             if self.cluster is not None:
                 await self.cluster.stop()
             state.unlink(missing_ok=True)
+            await self.uploads.stop()
             await self._quiesce()
         log.info("agent %d stopped", os.getpid())
 

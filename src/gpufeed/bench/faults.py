@@ -58,6 +58,8 @@ from gpufeed.bench.children import helper, python_module, until_parent_exits
 
 FAULTS = ("503", "reset", "truncate", "stall", "flip")
 CONTROL_PATH = "/__faults__"
+MAX_BODY = 1 << 30
+"""Largest request body passed upstream: an upload's parts (aiohttp refuses over 1 MiB by default)."""
 DEFAULT_STALL = 2.0
 MAX_EVENTS = 100_000
 
@@ -269,7 +271,7 @@ class FaultProxy:
 
 async def _serve(proxy: FaultProxy, port: int) -> None:
     await proxy.start()
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY)
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()

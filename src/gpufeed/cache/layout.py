@@ -2,15 +2,31 @@
 
 Blocks of one object live in one of the cache dirs, chosen by the object's hash, as
 `<dir>/blocks/<oid[:2]>/<oid>-<index>`. What a block is and its header: `gpufeed.blocks`.
+Writes wait for their upload in the primary dir's `staging/` (`agent.writer`).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpufeed.blocks import CHUNK, BlockId, ObjectBlocks
 from gpufeed.cache.openfiles import OpenBlocks
+
+WRITER_FILE = re.compile(r"tmp-(\d+)-[0-9a-f]{16}")
+"""What a writer names the staging file it fills: its pid (a dead writer's file is removed) and a random part."""
+
+
+def staging_dir(primary: Path) -> Path:
+    return primary / "staging"
+
+
+def writer_file(primary: Path) -> Path:
+    """A new staging file for a writer of this process to fill (`Commit` hands it to the agent)."""
+    return staging_dir(primary) / f"tmp-{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def object_prefix(dirs: tuple[Path, ...], oid: str) -> str:

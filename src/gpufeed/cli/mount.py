@@ -55,6 +55,10 @@ def add(
         None, "--checksums", help="sha256sum/md5sum output ('<hex>  <path>', paths relative to the source root): content hashes."
     ),
     allow_empty: bool = typer.Option(False, "--allow-empty", help="Mount even when the listing finds no objects."),
+    writable: bool = typer.Option(
+        False, "--writable", help="Allow writes through gpufeed (staged on this node, uploaded in the background); "
+        "file, s3, gs and az sources."
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr; errors still print."),
     as_json: bool = typer.Option(False, "--json", help="Print the mount and its counts as one JSON object."),
 ) -> None:
@@ -71,6 +75,7 @@ def add(
             max_age=max_age,
             checksums=checksums,
             allow_empty=allow_empty,
+            writable=writable,
             listed=lambda s: meter.update(s.files, s.bytes),
         )
     if as_json:

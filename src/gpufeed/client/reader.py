@@ -28,11 +28,26 @@ from gpufeed.cache.openfiles import OpenBlocks
 from gpufeed.client import plan
 from gpufeed.client.connection import AgentClient, AgentUnavailable, HitReporter, Tally
 from gpufeed.client.file import FeedFile
+from gpufeed.client.writer import FeedWriter
 from gpufeed.config import Settings
-from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing, from_code
+from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing, WriteError, from_code
 from gpufeed.meta import Mount
-from gpufeed.namespace import CachePolicy, FileStat, Namespace, source_options
-from gpufeed.rpc.messages import Cancel, Credentials, Done, Fetch, Fetched, Group, ObjectWant, Prefetch, Queued, SourceSpec
+from gpufeed.namespace import CachePolicy, FileStat, Namespace, is_writable, source_options
+from gpufeed.rpc.messages import (
+    Cancel,
+    Credentials,
+    Done,
+    Fetch,
+    Fetched,
+    Group,
+    ObjectWant,
+    Prefetch,
+    Queued,
+    Remove,
+    SourceSpec,
+    Sync,
+    Synced,
+)
 from gpufeed.sources import ObjectInfo, Source
 from gpufeed.sources.stores import caller_credentials
 
@@ -160,7 +175,8 @@ class Client:
         """The object at `path`, pinned to the version its mount's manifest lists. Handles are
         remembered while their mount's generation is current (as the namespace's mount table
         sees it, so a refresh elsewhere shows within MOUNTS_TTL_S): a read by path then costs
-        no manifest lookup. Mounts with --max-age revalidate on open and are not remembered."""
+        no manifest lookup. Mounts with --max-age revalidate on open and are not remembered, nor
+        are writable mounts' (a write in another process changes an entry, not the generation)."""
         known = self._handles.get(path)
         if known is not None and self._generations().get(known.mount.path) == known.mount.generation:
             return known
@@ -176,7 +192,7 @@ class Client:
             assert self._files is not None
             blocks = BlockRef.of(dirs, identity, policy.verify, self._files)
         handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, self.hits.tally(mount.path), blocks, member)
-        if mount.max_age is None and (blocks is not None or not policy.enabled or info.size == 0):
+        if mount.max_age is None and not is_writable(mount) and (blocks is not None or not policy.enabled or info.size == 0):
             with self._lock:
                 if len(self._handles) >= HANDLE_CACHE:
                     del self._handles[next(iter(self._handles))]
@@ -543,9 +559,43 @@ class Client:
         """(file, bytes of it present in the cache) for every file under `path`; reads no data."""
         return coverage.cached_bytes(self.namespace, self.settings, self.agent.dirs, path)
 
-    def open(self, path: str | os.PathLike[str], mode: str = "rb") -> FeedFile:
-        arguments.mode(mode, "open")
+    def open(self, path: str | os.PathLike[str], mode: str = "rb", *, sync: bool = False) -> FeedFile | FeedWriter:
+        """`rb`: a seekable read-only file. `wb`: a new version of `path` in a writable mount,
+        committed on close (write-back; `sync=True` waits for the upload: `client.writer`)."""
+        if arguments.mode(mode, "open") == "wb":
+            return FeedWriter(self, arguments.path(path, "open"), sync=sync)
         return FeedFile(self, self.handle(arguments.path(path, "open")))
+
+    def write(self, path: str | os.PathLike[str], data: bytes | bytearray | memoryview, *, sync: bool = False) -> None:
+        """`path`'s new bytes, whole (`open(path, "wb")` for a file written piece by piece)."""
+        with FeedWriter(self, arguments.path(path, "write"), sync=sync) as f:
+            f.write(data)
+
+    def sync(self, path: str | os.PathLike[str] = "/") -> int:
+        """Wait until every write under `path` this node committed is in its store; returns how
+        many uploads were waited for. Uploads that keep failing raise WriteError naming them
+        (they stay staged and are retried)."""
+        synced = self.agent.request(Sync(arguments.path(path, "sync")), Synced)
+        if synced.failures:
+            first = synced.failures[0]
+            more = f" (and {len(synced.failures) - 1} more)" if len(synced.failures) > 1 else ""
+            raise WriteError(f"upload not done, still retried: {first.message}{more}")
+        return synced.uploads
+
+    def remove(self, path: str | os.PathLike[str]) -> None:
+        """Delete a file of a writable mount from its store and the manifest."""
+        where = self.namespace.writable_target(arguments.path(path, "remove"))
+        self.stat(f"{where.mount.path}/{where.key}")  # PathNotFound for a path the manifest does not hold
+        mount = where.mount
+        options = source_options(mount)
+        credentials = Credentials(caller_credentials(mount.url, options))
+        self.agent.request(Remove(SourceSpec(mount.url, options), mount.path, where.key, credentials), Done)
+        self.forget(f"{mount.path}/{where.key}")
+
+    def forget(self, path: str) -> None:
+        """Drop what this process remembers of `path` (it was written or removed here)."""
+        with self._lock:
+            self._handles.pop(path, None)
 
     def read(self, path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> bytes:
         path = arguments.path(path, "read")

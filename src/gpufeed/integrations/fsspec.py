@@ -1,7 +1,9 @@
-"""fsspec protocol `gpufeed://`: pandas, pyarrow and any fsspec user read through the one read path.
+"""fsspec protocol `gpufeed://`: pandas, pyarrow and any fsspec user read through the one read path,
+and write to writable mounts through the one write path (`client.writer`).
 
     import pandas
     pandas.read_parquet("gpufeed:///data/table.parquet")
+    frame.to_parquet("gpufeed:///out/table.parquet")   # a mount added with --writable
 
 Registered through the `fsspec.specs` entry point, so no import is needed before use.
 """
@@ -14,7 +16,7 @@ from fsspec import AbstractFileSystem
 
 import gpufeed
 from gpufeed.cache.blockfile import as_bytes
-from gpufeed.client import FeedFile
+from gpufeed.client import FeedFile, FeedWriter
 from gpufeed.errors import InvalidArgument
 from gpufeed.namespace import FileStat
 
@@ -30,7 +32,8 @@ def _info(item: FileStat) -> dict[str, Any]:
 
 
 class GpufeedFileSystem(AbstractFileSystem):
-    """Read-only view of the gpufeed namespace; listings come from the manifest."""
+    """The gpufeed namespace; listings come from the manifest. Directories are implied by the
+    files in them (object stores have none), so `mkdir` has nothing to do."""
 
     protocol = "gpufeed"
     root_marker = "/"
@@ -58,7 +61,33 @@ class GpufeedFileSystem(AbstractFileSystem):
             start, end = (start + handle.size if start < 0 else start), (end + handle.size if end < 0 else end)
         return as_bytes(client.read_range(handle, start, end))
 
-    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> FeedFile:
-        if mode != "rb":
-            raise InvalidArgument(f"gpufeed://{path}: the namespace is read-only (mode {mode!r})")
-        return gpufeed.open(self._strip_protocol(path))
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> FeedFile | FeedWriter:
+        if mode not in ("rb", "wb"):
+            raise InvalidArgument(f"gpufeed://{path}: mode {mode!r} is not supported (rb, or wb on a writable mount)")
+        return gpufeed.client().open(self._strip_protocol(path), mode, sync=bool(kwargs.get("sync", False)))
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        gpufeed.write(self._strip_protocol(path), value)
+
+    def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
+        gpufeed.write(self._strip_protocol(path2), self.cat_file(path1))
+
+    def mv(self, path1: str, path2: str, recursive: bool = False, maxdepth: int | None = None, **kwargs: Any) -> None:
+        """A file's bytes under a new path (object stores have no rename: a copy, then a delete)."""
+        if recursive or self.isdir(path1):
+            super().mv(path1, path2, recursive=True, maxdepth=maxdepth, **kwargs)
+            return
+        self.cp_file(path1, path2)
+        self.rm_file(path1)
+
+    def rm_file(self, path: str) -> None:
+        gpufeed.remove(self._strip_protocol(path))
+
+    def _rm(self, path: str) -> None:
+        self.rm_file(path)
+
+    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
+        pass
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        pass

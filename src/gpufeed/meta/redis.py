@@ -142,6 +142,9 @@ class RedisEngine:
             pipe.hset(self._dir(generation, parent), mapping=mapping)
         pipe.execute()
 
+    def delete_entry(self, generation: int, parent: str, name: str) -> None:
+        self._r.hdel(self._dir(generation, parent), name)
+
     def drop_generation(self, generation: int) -> None:
         dirs = self._dirs(generation)
         batch: list[str] = []

@@ -315,6 +315,10 @@ class SqliteEngine:
             raise
 
     @_writes
+    def delete_entry(self, generation: int, parent: str, name: str) -> None:
+        self._db.execute("DELETE FROM entries WHERE generation = ? AND parent = ? AND name = ?", (generation, parent, name))
+
+    @_writes
     def drop_generation(self, generation: int) -> None:
         self._db.execute("DELETE FROM entries WHERE generation = ?", (generation,))
 

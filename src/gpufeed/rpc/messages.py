@@ -120,7 +120,38 @@ class Usage(msgspec.Struct, tag="usage"):
     """The counts `gpufeed top` turns into rates: per mount, per reading process, the cache."""
 
 
-Request = Hello | Stats | Fetch | Prefetch | Cancel | Hits | Clear | Shutdown | Metrics | Usage
+class Commit(msgspec.Struct, tag="commit"):
+    """A file a writer closed: its bytes are the file `staged` in the agent's staging dir, which
+    the writer filled and fsynced; the agent takes it over, records the object in the mount's
+    manifest and uploads it. The reply comes once that is durable on this node (write-back), or
+    with `sync` once the store has the object (write-through)."""
+
+    source: SourceSpec
+    mount: str
+    key: str
+    staged: str
+    size: int
+    sha256: str
+    sync: bool = False
+    credentials: Credentials = msgspec.field(default_factory=Credentials)
+
+
+class Sync(msgspec.Struct, tag="sync"):
+    """Wait until every upload under the namespace path `path` ("/": all) is in its store."""
+
+    path: str
+
+
+class Remove(msgspec.Struct, tag="remove"):
+    """Delete an object from a writable mount's store and manifest (a pending upload of it too)."""
+
+    source: SourceSpec
+    mount: str
+    key: str
+    credentials: Credentials = msgspec.field(default_factory=Credentials)
+
+
+Request = Hello | Stats | Fetch | Prefetch | Cancel | Hits | Clear | Shutdown | Metrics | Usage | Commit | Sync | Remove
 
 
 class AgentInfo(msgspec.Struct, tag="info"):
@@ -230,7 +261,20 @@ class Refused(msgspec.Struct, tag="refused"):
     failure: Failure
 
 
-Reply = AgentInfo | Fetched | Queued | Cleared | Done | Refused | MetricsText | UsageInfo
+class Committed(msgspec.Struct, tag="committed"):
+    info: ObjectInfo
+    """The object as the manifest records it now."""
+    uploaded: bool
+
+
+class Synced(msgspec.Struct, tag="synced"):
+    uploads: int
+    """Uploads waited for."""
+    failures: list[Failure]
+    """Uploads that failed and are still retried (their staged bytes are kept), one per object."""
+
+
+Reply = AgentInfo | Fetched | Queued | Cleared | Done | Refused | MetricsText | UsageInfo | Committed | Synced
 
 
 class PeerFetch(msgspec.Struct, tag="peer_fetch"):

@@ -20,6 +20,7 @@ import logging
 import re
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import obstore
@@ -44,6 +45,9 @@ if TYPE_CHECKING:
 
 LIST_CHUNK = 1000
 HASH_IN_THREAD = 256 * 1024
+UPLOAD_PART = 16 << 20
+UPLOAD_CONCURRENCY = 8
+"""An upload's parts and how many are in flight: 128 MiB buffered at most per upload."""
 """Bodies at least this long are hashed off the event loop (hashlib releases the GIL)."""
 
 log = logging.getLogger("gpufeed")
@@ -207,6 +211,36 @@ class ObstoreSource:
 
         retry.call(self.retry, attempt)
         return self.head(key)
+
+    async def put_file_async(self, key: str, path: str) -> ObjectInfo:
+        """Upload a local file as `key`: parts of UPLOAD_PART in parallel for a big one (obstore's
+        multipart upload), one PUT otherwise; the object appears whole or not at all. Retried like
+        every store call (a throttling store's 503 SlowDown backs off); then the object as a HEAD
+        reports it."""
+
+        async def attempt() -> None:
+            try:
+                await obstore.put_async(
+                    self.store, key, Path(path), mode="overwrite", chunk_size=UPLOAD_PART, max_concurrency=UPLOAD_CONCURRENCY
+                )
+            except (obx.BaseError, OSError) as exc:
+                raise self.failure(exc, key) from exc
+
+        await retry.call_async(self.retry, attempt)
+        return await self.head_async(key)
+
+    async def delete_async(self, key: str) -> None:
+        """Delete `key`; an object already gone is no error."""
+
+        async def attempt() -> None:
+            try:
+                await obstore.delete_async(self.store, key)
+            except (obx.BaseError, OSError) as exc:
+                failure = self.failure(exc, key)
+                if not isinstance(failure, ObjectMissing):
+                    raise failure from exc
+
+        await retry.call_async(self.retry, attempt)
 
     @staticmethod
     def _get_options(start: int, end: int, expect: ObjectInfo | None, conditional: bool) -> GetOptions:

@@ -1,0 +1,71 @@
+"""Writes against a store that fails: uploads held up while the agent is killed (kill -9) are
+resumed by the next agent; a 503 and connection-reset mix still lands every object whole."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+
+import gpufeed
+from gpufeed.bench.faults import FaultControl
+from gpufeed.client.connection import AgentClient
+from gpufeed.config import Settings
+from gpufeed.namespace import Namespace
+from tests.conftest import Bucket
+
+
+def writable_through(proxy: FaultControl, bucket: Bucket) -> None:
+    Namespace().add_mount("/out", bucket.url, {"endpoint": proxy.url}, writable=True, allow_empty=True)
+
+
+def killed(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] in "ZX":  # dead (our child, not reaped yet)
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"agent {pid} still alive")
+
+
+def stored(bucket: Bucket, key: str) -> bytes:
+    return bucket.client.get_object(Bucket=bucket.name, Key=key)["Body"].read()  # type: ignore[attr-defined,no-any-return]
+
+
+def test_acknowledged_writes_survive_the_agent_killed_mid_upload(bucket: Bucket, moto_faults: FaultControl) -> None:
+    writable_through(moto_faults, bucket)
+    moto_faults.configure(rates={"stall": 1.0}, stall=60.0, path_filter="batch/")  # every upload hangs
+    bodies = {f"batch/{i}.bin": os.urandom(100_000 + i) for i in range(5)}
+    for key, body in bodies.items():
+        gpufeed.write(f"/out/{key}", body)  # acknowledged: staged durably on this node
+    assert gpufeed.read("/out/batch/3.bin") == bodies["batch/3.bin"], "read back while its upload hangs"
+    settings = Settings.from_env()
+    staging = AgentClient(settings).dirs[0] / "staging"
+    assert len(list(staging.glob("*.json"))) == 5
+    killed(AgentClient(settings).hello().pid)
+    moto_faults.configure(rates={})
+    gpufeed._default = None
+    assert gpufeed.sync("/out") == 5, "the next agent found the five staged writes and uploaded them"
+    assert all(stored(bucket, key) == body for key, body in bodies.items())
+    assert not list(staging.glob("*.json")) and not list(staging.glob("*.data")), "nothing left staged"
+    assert gpufeed.stat("/out/batch/0.bin").etag is not None, "the manifest has the store's version"
+
+
+def test_a_503_and_reset_mix_still_lands_every_object_whole(bucket: Bucket, moto_faults: FaultControl) -> None:
+    writable_through(moto_faults, bucket)
+    moto_faults.configure(seed=7, rates={"503": 0.2, "reset": 0.1}, path_filter="mix/")
+    bodies = {f"mix/{i}.bin": os.urandom(size) for i, size in enumerate([10, 300_000, 20 << 20])}  # one multipart
+    for key, body in bodies.items():
+        gpufeed.write(f"/out/{key}", body)
+    gpufeed.sync("/out/mix")
+    injected = moto_faults.counts()["injected"]
+    moto_faults.configure(rates={})
+    assert injected.get("503", 0) + injected.get("reset", 0) > 0, injected
+    for key, body in bodies.items():
+        assert hashlib.sha256(stored(bucket, key)).digest() == hashlib.sha256(body).digest(), key

@@ -1,0 +1,140 @@
+"""Writes through gpufeed to a real S3-compatible server (moto) and a local dir: staged on this
+node, readable at once from the cache with no GET, uploaded whole in the background, recorded in
+the manifest; resumed by the next agent after kill -9; refused on read-only mounts."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import gpufeed
+from gpufeed.client.connection import AgentClient, stop_agent
+from gpufeed.config import Settings
+from gpufeed.errors import IsADirectory, PathNotFound, ReadOnlyMount, WriteError
+from gpufeed.namespace import Namespace
+from tests.conftest import Bucket
+
+
+def moto_requests(endpoint: str, log: Path, method: str, key: str) -> int:
+    """Requests moto logged for `key` with `method` (its werkzeug log: one line per request)."""
+    return len(re.findall(rf'"{method} /[^ ]*{re.escape(key)}[ ?]', log.read_text()))
+
+
+@pytest.fixture
+def out(bucket: Bucket) -> Bucket:
+    bucket.put("seed/readme.txt", b"seed")
+    Namespace().add_mount("/out", bucket.url, {"endpoint": bucket.endpoint}, writable=True)
+    return bucket
+
+
+def test_a_closed_file_reads_back_at_once_and_reaches_the_store_whole(out: Bucket, server_dir: Path) -> None:
+    body = os.urandom(9 << 20)  # three 4 MiB blocks and a bit: a multipart upload
+    with gpufeed.open("/out/run1/model.bin", "wb") as f:
+        for i in range(0, len(body), 1 << 20):
+            f.write(body[i : i + (1 << 20)])
+    assert gpufeed.stat("/out/run1/model.bin").size == len(body)
+    assert [item.path for item in gpufeed.ls("/out/run1")] == ["/out/run1/model.bin"]
+    assert gpufeed.read("/out/run1/model.bin") == body, "read back on this node while (or after) it uploads"
+    assert gpufeed.sync("/out") in (0, 1)
+    stored = out.client.get_object(Bucket=out.name, Key="run1/model.bin")["Body"].read()  # type: ignore[attr-defined]
+    assert hashlib.sha256(stored).digest() == hashlib.sha256(body).digest()
+    assert moto_requests(out.endpoint, server_dir / "moto.log", "GET", "run1/model.bin") == 1, "only the check above"
+    entry = gpufeed.stat("/out/run1/model.bin")
+    assert entry.etag is not None and entry.content_hash == f"sha256:{hashlib.sha256(body).hexdigest()}"
+    gpufeed._default = None
+    assert gpufeed.read("/out/run1/model.bin") == body, "a fresh process reads it from the cache"
+    assert moto_requests(out.endpoint, server_dir / "moto.log", "GET", "run1/model.bin") == 1, "and never from the store"
+
+
+def test_write_through_waits_for_the_store_and_overwrite_replaces(out: Bucket) -> None:
+    gpufeed.write("/out/a.txt", b"first", sync=True)
+    assert out.client.get_object(Bucket=out.name, Key="a.txt")["Body"].read() == b"first"  # type: ignore[attr-defined]
+    with gpufeed.open("/out/a.txt", "wb", sync=True) as f:
+        f.write(b"second version")
+    assert gpufeed.read("/out/a.txt") == b"second version"
+    assert out.client.get_object(Bucket=out.name, Key="a.txt")["Body"].read() == b"second version"  # type: ignore[attr-defined]
+    gpufeed.remove("/out/a.txt")
+    with pytest.raises(PathNotFound):
+        gpufeed.stat("/out/a.txt")
+    assert "Contents" not in out.client.list_objects_v2(Bucket=out.name, Prefix="a.txt")  # type: ignore[attr-defined]
+
+
+def test_a_writer_that_raises_commits_nothing(out: Bucket) -> None:
+    gpufeed.write("/out/kept.bin", b"old", sync=True)
+    with pytest.raises(RuntimeError), gpufeed.open("/out/kept.bin", "wb") as f:
+        f.write(b"half of the new")
+        raise RuntimeError("the job died mid-write")
+    assert gpufeed.read("/out/kept.bin") == b"old"
+    staging = AgentClient(Settings.from_env()).dirs[0] / "staging"
+    assert not [p for p in staging.iterdir() if p.name.startswith("tmp-")], "its staged bytes are gone"
+
+
+def test_writes_are_refused_where_they_cannot_go(out: Bucket, tmp_path: Path) -> None:
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "x").write_bytes(b"x")
+    Namespace().add_mount("/ro", f"file://{tmp_path / 'ro'}")
+    with pytest.raises(ReadOnlyMount, match="/ro/x: mount /ro .* is read-only: mount it with --writable"):
+        gpufeed.open("/ro/x", "wb")
+    gpufeed.write("/out/dir/f", b"1")
+    with pytest.raises(IsADirectory):
+        gpufeed.open("/out/dir", "wb")
+    with pytest.raises(ValueError, match="use 'rb' or 'wb'"):
+        gpufeed.open("/out/dir/f", "ab")  # type: ignore[call-overload]
+    gpufeed.sync()
+
+
+def test_a_full_staging_disk_is_one_clear_error_and_keeps_what_was_stored(out: Bucket, tmp_path: Path) -> None:
+    gpufeed.write("/out/big.bin", b"stored before", sync=True)
+    staging = AgentClient(Settings.from_env()).dirs[0] / "staging"
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        moved = staging.with_name("staging.real")
+        staging.rename(moved)
+        staging.symlink_to(small)
+        with pytest.raises(WriteError, match=r"/out/big.bin: the staging disk is full .*nothing was written"):
+            with gpufeed.open("/out/big.bin", "wb") as f:
+                f.write(os.urandom(2 << 20))
+        staging.unlink()
+        moved.rename(staging)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+    assert gpufeed.read("/out/big.bin") == b"stored before"
+
+
+def test_the_cli_mounts_writable_and_syncs(out: Bucket, tmp_path: Path) -> None:
+    local = tmp_path / "outdir"
+    local.mkdir()
+    cli = [sys.executable, "-m", "gpufeed"]
+    added = subprocess.run([*cli, "mount", "add", "/local", f"file://{local}", "--writable", "--allow-empty"],
+                           capture_output=True, text=True, timeout=60)
+    assert added.returncode == 0, added.stderr
+    code = "import gpufeed; gpufeed.write('/local/x/y.txt', b'hello')"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    synced = subprocess.run([*cli, "sync", "/local"], capture_output=True, text=True, timeout=60)
+    assert synced.returncode == 0, synced.stderr
+    assert (local / "x" / "y.txt").read_bytes() == b"hello"
+    http = subprocess.run([*cli, "mount", "add", "/web", "http://127.0.0.1:1/x", "--writable"],
+                          capture_output=True, text=True, timeout=60)
+    assert http.returncode == 2 and "an HTTP source cannot be written" in http.stderr and "Traceback" not in http.stderr
+    stop_agent(Settings.from_env())
+
+
+def test_a_pipeline_stage_writes_parquet_and_the_next_reads_it_from_the_cache(out: Bucket, server_dir: Path) -> None:
+    frame = pd.DataFrame({"label": range(5000), "path": [f"img/{i}.jpg" for i in range(5000)]})
+    frame.to_parquet("gpufeed:///out/etl/index.parquet")  # the ETL stage, through fsspec
+    gpufeed.sync("/out/etl")
+    code = "import pandas; frame = pandas.read_parquet('gpufeed:///out/etl/index.parquet'); print(len(frame), frame.label.sum())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)  # the training stage
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["5000", str(sum(range(5000)))]
+    assert moto_requests(out.endpoint, server_dir / "moto.log", "GET", "etl/index.parquet") == 0, "read from this node's cache"
+    assert moto_requests(out.endpoint, server_dir / "moto.log", "PUT", "etl/index.parquet") == 1, "uploaded once"
