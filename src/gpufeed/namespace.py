@@ -473,9 +473,14 @@ class Namespace:
         return True
 
     def record_removed(self, mount_path: str, key: str) -> None:
+        """Take a removed object out of the manifest, and the directories it leaves empty: an
+        object store has no directories but those its keys imply."""
         mount = self.mount(mount_path)
         parent, _, name = key.rpartition("/")
         self.engine.delete_entry(mount.generation, parent, name)
+        while parent and not self.engine.listdir(mount.generation, parent):
+            parent, _, name = parent.rpartition("/")
+            self.engine.delete_entry(mount.generation, parent, name)
 
     def container(self, where: Resolved, member: ObjectInfo) -> ObjectInfo:
         """The object a pack member's bytes lie in (its shard), as the mount listed it: every

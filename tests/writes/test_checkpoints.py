@@ -1,0 +1,203 @@
+"""Checkpoints on a writable S3 mount (moto): DCP save, async_save and load through gpufeed, the
+commit marker last, retention, an interrupted save never listed, two ranks, torch.save/load, and
+kill -9 of the saver and of the agent at 20 random points."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import gpufeed
+import gpufeed.torch
+from gpufeed.bench.faults import FaultControl
+from gpufeed.client.connection import AgentClient
+from gpufeed.config import Settings
+from gpufeed.errors import PathNotFound
+from gpufeed.namespace import Namespace
+from tests.conftest import Bucket
+from tests.writes.checkpoint_saver import state
+from tests.writes.test_faults import killed, stored
+from tests.writes.test_writes import moto_requests
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def quiet_single_process() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+@pytest.fixture
+def out(bucket: Bucket) -> Bucket:
+    Namespace().add_mount("/out", bucket.url, {"endpoint": bucket.endpoint}, writable=True, allow_empty=True)
+    return bucket
+
+
+def zeros_like(saved: dict[str, object]) -> dict[str, object]:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in saved.items()}
+
+
+def same(a: dict[str, object], b: dict[str, object]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a  # type: ignore[arg-type]
+    )
+
+
+def keys(bucket: Bucket, prefix: str) -> list[str]:
+    listed = bucket.client.list_objects_v2(Bucket=bucket.name, Prefix=prefix)  # type: ignore[attr-defined]
+    return sorted(item["Key"] for item in listed.get("Contents", []))
+
+
+def test_dcp_saves_commit_last_keep_the_last_n_and_restore_from_this_nodes_cache(out: Bucket, server_dir: Path) -> None:
+    checkpoints = gpufeed.torch.Checkpoints("/out/run", keep_last=2)
+    assert checkpoints.latest() is None and checkpoints.load(zeros_like(state(1))) is None, "a fresh start"
+    checkpoints.save(state(1), 1)
+    checkpoints.async_save(state(2), 2).result()
+    dcp.save(state(3), storage_writer=gpufeed.torch.GpufeedWriter(checkpoints.path(3)))
+    checkpoints.prune()
+    assert [c.step for c in checkpoints.list()] == [2, 3]
+    assert keys(out, "run/step-00000001") == [], "pruned from the store"
+    assert [item.path for item in gpufeed.ls("/out/run")] == ["/out/run/step-00000002", "/out/run/step-00000003"]
+    assert ".metadata" in {key.rpartition("/")[2] for key in keys(out, "run/step-00000003/")}, "complete in the store"
+    loaded = zeros_like(state(3))
+    gpufeed._default = None
+    assert checkpoints.load(loaded) == 3 and same(loaded, state(3))
+    dcp.load(loaded, storage_reader=gpufeed.torch.GpufeedReader("gpufeed:///out/run/step-00000002"))
+    assert same(loaded, state(2))
+    assert moto_requests(out.endpoint, server_dir / "moto.log", "GET", "run/step-") == 0, "restored from this node's cache"
+    with pytest.raises(PathNotFound, match="step-00000001: no complete checkpoint"):
+        checkpoints.load(loaded, step=1)
+
+
+def test_a_save_that_fails_midway_leaves_no_checkpoint_that_loads(out: Bucket) -> None:
+    checkpoints = gpufeed.torch.Checkpoints("/out/run")
+    checkpoints.save(state(4), 4)
+    checkpoints.save(state(5), 5)
+    broken = {**state(6), "step": lambda: 6}  # pickling it fails after the tensors' files are begun
+    with pytest.raises(CheckpointException) as raised:
+        checkpoints.save(broken, 5)
+    assert "Can't pickle" in str(raised.value.failures), "the writer thread's own error reached the caller"
+    assert [c.step for c in checkpoints.list()] == [4], "step 5's marker came down before its files were rewritten"
+    loaded = zeros_like(state(4))
+    assert checkpoints.load(loaded) == 4 and same(loaded, state(4))
+
+
+def test_torch_save_and_load_through_a_gpufeed_path(out: Bucket) -> None:
+    saved = state(7)
+    gpufeed.torch.save(saved, "/out/plain/model.pt", sync=True)
+    assert keys(out, "plain/") == ["plain/model.pt"]
+    assert same(gpufeed.torch.load("/out/plain/model.pt", weights_only=True), saved)
+
+
+TWO_RANKS = """
+import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp, torch.multiprocessing as mp
+import gpufeed.torch
+
+def rank(r, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+    g = torch.Generator().manual_seed(r)
+    mine = {"shared": torch.arange(1000.0), f"rank{r}": torch.randn(300_000, generator=g)}
+    dcp.async_save(mine, storage_writer=gpufeed.torch.GpufeedWriter("/out/ddp/step-00000001")).result()
+    back = {k: torch.zeros_like(v) for k, v in mine.items()}
+    dist.barrier()
+    dcp.load(back, storage_reader=gpufeed.torch.GpufeedReader("/out/ddp/step-00000001"))
+    assert all(torch.equal(back[k], mine[k]) for k in mine), r
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.start_processes(rank, args=(int(sys.argv[1]),), nprocs=2, start_method="fork")
+    print("ok")
+"""
+
+
+def test_two_ranks_save_one_checkpoint_and_each_loads_its_part(out: Bucket, tmp_path: Path) -> None:
+    from tests.conftest import free_port
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stderr[-3000:]
+    stored_keys = keys(out, "ddp/step-00000001/")
+    assert {k.rpartition("/")[2] for k in stored_keys} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}, stored_keys
+    assert [c.step for c in gpufeed.torch.Checkpoints("/out/ddp").list()] == [1]
+
+
+def test_kill_9_of_saver_and_agent_at_20_points_always_leaves_the_latest_complete_checkpoint(
+    out: Bucket, moto_faults: FaultControl, tmp_path: Path
+) -> None:
+    Namespace().add_mount("/slow", out.url, {"endpoint": moto_faults.url}, writable=True, allow_empty=True)
+    moto_faults.configure(seed=3, rates={"stall": 0.3}, stall=0.4, path_filter="crash/")  # kills land in uploads too
+    checkpoints = gpufeed.torch.Checkpoints("/slow/crash", keep_last=2)
+    settings = Settings.from_env()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "PYTHONWARNINGS": "ignore"}
+    saver = subprocess.Popen([sys.executable, "-m", "tests.writes.checkpoint_saver", "/slow/crash"], cwd=ROOT, env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp_path / "saver.log", "w"), text=True)
+    assert saver.stdin is not None and saver.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line.strip()) for line in saver.stdout], daemon=True).start()  # type: ignore[union-attr]
+
+    def until(prefix: str) -> list[str]:
+        seen = [lines.get(timeout=120)]
+        while not seen[-1].startswith(prefix):
+            seen.append(lines.get(timeout=120))
+        return seen
+
+    chance = random.Random(17)
+    acknowledged, kills, saved, failed = 0, {"saver": 0, "agent": 0}, [], []
+    try:
+        for round_ in range(20):
+            latest = checkpoints.latest()
+            saver.stdin.write(f"{(latest.step if latest else 0) + 1}\n")
+            saver.stdin.flush()
+            seen = until("child ")
+            child = int(seen[-1].split()[1])
+            time.sleep(chance.uniform(0.2, 1.8))  # a random point of the save loop
+            if round_ % 2 == 1:  # the agent dies under the saver, which goes on with the next agent
+                killed(AgentClient(settings).hello().pid)
+                kills["agent"] += 1
+                time.sleep(chance.uniform(0.0, 0.6))
+            with contextlib.suppress(ProcessLookupError):  # the agent's death may have ended it already
+                os.kill(child, signal.SIGKILL)
+                kills["saver"] += 1
+            seen += until("ended")
+            failed += [line for line in seen if line.startswith("failed ")]
+            saved += [int(line.split()[1]) for line in seen if line.startswith("saved ")]
+            acknowledged = max([acknowledged, *saved])
+            gpufeed._default = None
+            listed = checkpoints.list()
+            assert (listed[-1].step if listed else 0) >= acknowledged, (round_, listed, acknowledged)
+            for checkpoint in listed:  # every listed checkpoint is complete and holds what was saved
+                loaded = zeros_like(state(checkpoint.step))
+                assert checkpoints.load(loaded, checkpoint.step) == checkpoint.step
+                assert same(loaded, state(checkpoint.step)), (round_, checkpoint)
+    finally:
+        saver.kill()
+        saver.wait()
+    assert kills["agent"] == 10 and kills["saver"] + len(failed) == 20 and len(saved) >= 3, (kills, saved, failed)
+    moto_faults.configure(rates={})
+    gpufeed.sync("/slow")  # staged uploads of killed agents resumed and finished
+    staging = AgentClient(settings).dirs[0] / "staging"
+    assert not list(staging.glob("*.json")), "nothing left to upload"
+    assert checkpoints.list()[-1].step >= 8, "saving went on between the kills"
+    for checkpoint in checkpoints.list():
+        for item in gpufeed.walk(checkpoint.path):
+            key = item.path.removeprefix("/slow/")
+            assert stored(out, key) == gpufeed.read(item.path), key
