@@ -52,7 +52,7 @@ def main(
     import logging
 
     from gpufeed.config import parse_log_format
-    from gpufeed.logs import configure
+    from gpufeed.logsetup import configure
 
     fmt = parse_log_format(log_format) if log_format else os.environ.get("GPUFEED_LOG_FORMAT") or "text"
     configure(parse_log_format(fmt, "GPUFEED_LOG_FORMAT"), "cli", debug=debug, level=logging.WARNING)
