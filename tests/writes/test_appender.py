@@ -14,6 +14,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
@@ -25,7 +26,7 @@ from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument, IsADirectory, PathNotFound, ReadOnlyMount
 from gpufeed.logs import Appender
 from gpufeed.namespace import Namespace
-from tests.cli.test_cli import fails, ok
+from tests.cli.test_cli import gpufeed as gpufeed_cli
 from tests.conftest import Bucket
 from tests.writes.test_faults import killed, stored
 from tests.writes.test_writes import out
@@ -132,8 +133,14 @@ def test_killed_appenders_lose_no_acknowledged_record_and_duplicate_none(out: Bu
         child.wait(timeout=10)
         child.stdout.close()
 
-    with Appender("/out/crash"):  # recovers the dead appenders' WAL files
-        pass
+    left = list(logs.wal_dir("/out/crash", Settings.from_env()).iterdir())
+    assert left, "the last appender died with records in its WAL"
+    for wal in left:  # as if killed in the middle of writing one more
+        with open(wal, "ab") as torn:
+            torn.write(b'{"n": 999999')
+    # each round's Appender recovered the rounds before; the command recovers the last one
+    recovered = gpufeed_cli("logs", "recover", "/out/crash")
+    assert recovered.returncode == 0 and recovered.stdout.startswith("recovered /out/crash: "), recovered
     assert logs.recover("/out/crash") == 0, "nothing left to recover"
     found = Counter(record["n"] for record in logs.read("/out/crash"))  # a torn line would not decode
     assert not [n for n, count in found.items() if count > 1], "no record twice"
@@ -149,8 +156,15 @@ def test_killed_appenders_lose_no_acknowledged_record_and_duplicate_none(out: Bu
 def test_logs_tail_prints_the_last_records_and_follows(out: Bucket) -> None:
     with Appender("/out/serve", max_bytes=100) as log:
         log.append_many({"n": i} for i in range(50))
-    assert ok("logs", "tail", "/out/serve", "-n", "3").splitlines() == ['{"n":47}', '{"n":48}', '{"n":49}']
-    assert len(ok("logs", "tail", "/out/serve", "-n", "1000").splitlines()) == 50
+    commands = [("-n", "3"), ("-n", "1000"), ("/out/absent",), ("/elsewhere/logs",), ("-n", "-1")]
+    with ThreadPoolExecutor(len(commands)) as pool:  # one CLI start-up is over a second here: run them side by side
+        last3, last1000, absent, elsewhere, negative = pool.map(lambda args: cli_tail(*args), commands)
+    assert ok_lines(last3) == ['{"n":47}', '{"n":48}', '{"n":49}']
+    assert len(ok_lines(last1000)) == 50
+    assert one_error(absent, 1).endswith("/out/absent: no such log directory (no segment committed yet?)")
+    assert "no mount contains this path" in one_error(elsewhere, 1)
+    assert "-n must be >= 0" in one_error(negative, 2)
+
     argv = [sys.executable, "-m", "gpufeed", "logs", "tail", "/out/serve", "-n", "1", "-f", "--interval", "0.1"]
     follow = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
@@ -165,7 +179,21 @@ def test_logs_tail_prints_the_last_records_and_follows(out: Bucket) -> None:
         follow.wait()
         assert follow.stdout is not None
         follow.stdout.close()
-    assert fails(1, "logs", "tail", "/out/absent").endswith("/out/absent: no such log directory (no segment committed yet?)")
-    assert "no mount contains this path" in fails(1, "logs", "tail", "/elsewhere/logs")
-    assert "-n must be >= 0" in fails(2, "logs", "tail", "/out/serve", "-n", "-1")
-    assert ok("logs", "recover", "/out/serve") == "recovered /out/serve: 0 segment(s) committed\n"
+
+
+def cli_tail(*args: str) -> subprocess.CompletedProcess[str]:
+    """`gpufeed logs tail` of /out/serve, or of the path given first."""
+    path, rest = (args[0], args[1:]) if args[0].startswith("/") else ("/out/serve", args)
+    return gpufeed_cli("logs", "tail", path, *rest)
+
+
+def ok_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def one_error(result: subprocess.CompletedProcess[str], code: int) -> str:
+    """The one stderr line of a failed command, after checking the CLI's error contract."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == code and len(lines) == 1 and lines[0].startswith("gpufeed: error: "), result
+    return lines[0]
