@@ -28,6 +28,9 @@ the WAL files that dead processes left. An owner holds an flock on its WAL file 
 creation to its removal, and the kernel releases it when the process dies however it dies: a
 free lock is a dead owner. That is why liveness is not `kill(pid, 0)`: a pid is reused, and a
 container sharing GPUFEED_HOME sees other pids.
+
+An Appender belongs to the process that made it: a forked child (a DataLoader worker) makes its
+own, since the parent's WAL file, lock and timer thread are the parent's.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ class Appender:
         self._open: _Segment | None = None
         self._pending: list[_Segment] = []
         self._closed = False
+        self._pid = os.getpid()
         recover(self.path)
         self._timer = threading.Thread(target=self._roll_on_time, name=f"gpufeed-appender {self.path}", daemon=True)
         self._timer.start()
@@ -131,6 +135,8 @@ class Appender:
         with self._lock:
             if self._closed:
                 raise ValueError(f"Appender for {self.path} is closed")
+            if os.getpid() != self._pid:
+                raise InvalidArgument(f"Appender for {self.path} was made by process {self._pid}: make one in this process")
             segment = self._open or self._start()
             self._write(segment, data)
             full = segment.size >= self.max_bytes
@@ -157,6 +163,10 @@ class Appender:
             if self._closed:
                 return
             self._closed = True
+            if os.getpid() != self._pid:  # a forked child's copy: its segments are the parent's to commit
+                for segment in [*self._pending, *filter(None, [self._open])]:
+                    os.close(segment.fd)
+                return
             self._seal()
             self._lock.notify_all()
         self._timer.join()

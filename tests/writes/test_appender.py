@@ -99,6 +99,7 @@ def test_records_roll_by_size_and_by_time_and_read_back_in_order(out: Bucket) ->
 def test_bad_records_and_paths_are_refused(out: Bucket, tmp_path: os.PathLike[str]) -> None:
     os.mkdir(f"{tmp_path}/ro")
     Namespace().add_mount("/ro", f"file://{tmp_path}/ro", {}, allow_empty=True)
+    assert gpufeed.logs.Appender is Appender, "reachable after a bare import gpufeed"
     with Appender("/out/x") as log:
         with pytest.raises(InvalidArgument, match="contains a newline"):
             log.append("two\nlines")
