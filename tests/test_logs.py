@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gpufeed.logs import CliFormatter, JsonFormatter, TextFormatter
+from gpufeed.logsetup import CliFormatter, JsonFormatter, TextFormatter
 
 
 def _failed_record() -> logging.LogRecord:

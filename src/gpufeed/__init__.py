@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from typing import Literal, overload
 
+    from gpufeed import logs
     from gpufeed.client import Client, FeedFile, FeedWriter
     from gpufeed.errors import GpufeedError
     from gpufeed.namespace import FileStat
@@ -54,20 +55,26 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
+_SUBMODULES = ("logs",)
+"""Submodules reachable as attributes once `gpufeed` is imported: `gpufeed.logs.Appender(...)`."""
+
+
 def __getattr__(name: str) -> object:
     """`gpufeed.Client` and friends, imported on first access (PEP 562)."""
+    import importlib
+
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'gpufeed' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
 
 
 def client() -> Client:
@@ -124,6 +131,6 @@ def walk(path: str | os.PathLike[str]) -> Iterator[FileStat]:
 
 
 __all__ = [
-    "Client", "FeedFile", "FeedWriter", "FileStat", "GpufeedError", "client", "ls", "open", "read", "remove", "stat", "sync",
-    "walk", "write",
+    "Client", "FeedFile", "FeedWriter", "FileStat", "GpufeedError", "client", "logs", "ls", "open", "read", "remove", "stat",
+    "sync", "walk", "write",
 ]

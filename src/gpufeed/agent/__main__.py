@@ -15,7 +15,7 @@ from gpufeed.agent.manager import AgentConfig
 from gpufeed.agent.service import run_agent
 from gpufeed.config import CLUSTER_FLAGS, Settings, parse_addr, parse_log_format, parse_size, with_cluster_flags
 from gpufeed.errors import GpufeedError
-from gpufeed.logs import configure
+from gpufeed.logsetup import configure
 
 
 def main(argv: list[str] | None = None) -> int:

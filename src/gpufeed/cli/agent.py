@@ -130,7 +130,7 @@ def agent(
         return
     from gpufeed.agent.manager import AgentConfig  # only the service needs the agent's modules
     from gpufeed.agent.service import run_agent
-    from gpufeed.logs import configure
+    from gpufeed.logsetup import configure
 
     settings = asked.settings()
     configure(settings.log_format, debug=settings.debug)

@@ -8,7 +8,24 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
-from gpufeed.cli import agent, bench, cache, cluster, demo, files, fuse, gpu, metrics, mount, pack, sync, top, verify, warmup
+from gpufeed.cli import (
+    agent,
+    bench,
+    cache,
+    cluster,
+    demo,
+    files,
+    fuse,
+    gpu,
+    logs,
+    metrics,
+    mount,
+    pack,
+    sync,
+    top,
+    verify,
+    warmup,
+)
 from gpufeed.cli.console import err, out
 from gpufeed.errors import GpufeedError
 
@@ -52,7 +69,7 @@ def main(
     import logging
 
     from gpufeed.config import parse_log_format
-    from gpufeed.logs import configure
+    from gpufeed.logsetup import configure
 
     fmt = parse_log_format(log_format) if log_format else os.environ.get("GPUFEED_LOG_FORMAT") or "text"
     configure(parse_log_format(fmt, "GPUFEED_LOG_FORMAT"), "cli", debug=debug, level=logging.WARNING)
@@ -65,6 +82,7 @@ app.add_typer(cluster.app, name="cluster")
 app.command("warmup")(warmup.warmup)
 app.command("verify")(verify.verify)
 app.command("sync")(sync.sync)
+app.add_typer(logs.app, name="logs")
 app.command("pack")(pack.pack)
 app.add_typer(bench.app, name="bench")
 app.command("demo")(demo.demo)

@@ -45,7 +45,7 @@ from gpufeed.client.connection import AgentUnavailable
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, IsADirectory, NamespacePathError
 from gpufeed.integrations.fuse_mounts import FuseError, state_file
-from gpufeed.logs import configure
+from gpufeed.logsetup import configure
 
 # mfusepy takes the first of libfuse2 and libfuse3 it finds; gpufeed is built on libfuse3 (fuse3
 # package): its multithreaded loop, fuse_invalidate_path, max_pages.
