@@ -70,15 +70,15 @@ def test_another_node_reads_a_written_parquet_from_the_store(out: Bucket, server
     frame.to_parquet("gpufeed:///out/etl/index.parquet")  # node A: this process and its agent
     gpufeed.sync("/out/etl")
     log = server_dir / "moto.log"
-    assert moto_requests(out.endpoint, log, "GET", "etl/index.parquet") == 0
+    assert moto_requests(out, log, "GET", "etl/index.parquet") == 0
     node_b = tmp_path / "node-b"
     try:
         read = read_on({**os.environ, "GPUFEED_CACHE_DIRS": str(node_b)}, ["/out/etl/index.parquet"])
     finally:
         stop_agent(dataclasses.replace(Settings.from_env(), cache_dirs=(node_b,)))
     assert read == {"/out/etl/index.parquet": digest(frame)}, "node B gets the frame node A wrote"
-    assert moto_requests(out.endpoint, log, "GET", "etl/index.parquet") == 1, "node B's cache is its own: the store served it"
-    assert moto_requests(out.endpoint, log, "PUT", "etl/index.parquet") == 1, "uploaded once, by node A"
+    assert moto_requests(out, log, "GET", "etl/index.parquet") == 1, "node B's cache is its own: the store served it"
+    assert moto_requests(out, log, "PUT", "etl/index.parquet") == 1, "uploaded once, by node A"
 
 
 @pytest.fixture
@@ -127,10 +127,10 @@ def test_in_a_cluster_another_node_reads_what_the_writer_owns_from_its_cache(
 
     assert read_on(node_b.env(), paths) == {path: digest(frame) for path, frame in frames.items()}
     log = server_dir / "moto.log"
-    gets = {path: moto_requests(out.endpoint, log, "GET", path.removeprefix("/out/")) for path in paths}
+    gets = {path: moto_requests(out, log, "GET", path.removeprefix("/out/")) for path in paths}
     assert gets == {path: int(path in by_owner["nodeB"]) for path in paths}, (
         "node A's blocks came from its cache; node B fetched its own from the store, once each")
-    assert all(moto_requests(out.endpoint, log, "PUT", path.removeprefix("/out/")) == 1 for path in paths)
+    assert all(moto_requests(out, log, "PUT", path.removeprefix("/out/")) == 1 for path in paths)
     assert metric(node_a, "peer_served_total") == len(by_owner["nodeA"])
     assert metric(node_b, "misses_total", mount="/out", tier="peer") == len(by_owner["nodeA"])
     assert metric(node_b, "misses_total", mount="/out", tier="store") == len(by_owner["nodeB"])

@@ -22,9 +22,11 @@ from gpufeed.namespace import Namespace
 from tests.conftest import Bucket
 
 
-def moto_requests(endpoint: str, log: Path, method: str, key: str) -> int:
-    """Requests moto logged for `key` with `method` (its werkzeug log: one line per request)."""
-    return len(re.findall(rf'"{method} /[^ ]*{re.escape(key)}[ ?]', log.read_text()))
+def moto_requests(bucket: Bucket, log: Path, method: str, key: str, *, prefix: bool = False) -> int:
+    """Requests moto logged for `key` of `bucket` (or for every key under `key` with `prefix`)
+    with `method`, from its werkzeug log: one line per request, from every test of the session."""
+    end = "[^ ]*" if prefix else "[ ?]"
+    return len(re.findall(rf'"{method} /{re.escape(bucket.name)}/{re.escape(key)}{end}', log.read_text()))
 
 
 @pytest.fixture
@@ -45,12 +47,12 @@ def test_a_closed_file_reads_back_at_once_and_reaches_the_store_whole(out: Bucke
     assert gpufeed.sync("/out") in (0, 1)
     stored = out.client.get_object(Bucket=out.name, Key="run1/model.bin")["Body"].read()  # type: ignore[attr-defined]
     assert hashlib.sha256(stored).digest() == hashlib.sha256(body).digest()
-    assert moto_requests(out.endpoint, server_dir / "moto.log", "GET", "run1/model.bin") == 1, "only the check above"
+    assert moto_requests(out, server_dir / "moto.log", "GET", "run1/model.bin") == 1, "only the check above"
     entry = gpufeed.stat("/out/run1/model.bin")
     assert entry.etag is not None and entry.content_hash == f"sha256:{hashlib.sha256(body).hexdigest()}"
     gpufeed._default = None
     assert gpufeed.read("/out/run1/model.bin") == body, "a fresh process reads it from the cache"
-    assert moto_requests(out.endpoint, server_dir / "moto.log", "GET", "run1/model.bin") == 1, "and never from the store"
+    assert moto_requests(out, server_dir / "moto.log", "GET", "run1/model.bin") == 1, "and never from the store"
 
 
 def test_write_through_waits_for_the_store_and_overwrite_replaces(out: Bucket) -> None:
@@ -136,5 +138,5 @@ def test_a_pipeline_stage_writes_parquet_and_the_next_reads_it_from_the_cache(ou
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)  # the training stage
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["5000", str(sum(range(5000)))]
-    assert moto_requests(out.endpoint, server_dir / "moto.log", "GET", "etl/index.parquet") == 0, "read from this node's cache"
-    assert moto_requests(out.endpoint, server_dir / "moto.log", "PUT", "etl/index.parquet") == 1, "uploaded once"
+    assert moto_requests(out, server_dir / "moto.log", "GET", "etl/index.parquet") == 0, "read from this node's cache"
+    assert moto_requests(out, server_dir / "moto.log", "PUT", "etl/index.parquet") == 1, "uploaded once"
