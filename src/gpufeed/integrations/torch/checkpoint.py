@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     FileSystemBase,
@@ -139,6 +141,17 @@ class GpufeedWriter(FileSystemWriter):
         self.fs = self.files  # type: ignore[assignment]  # DCP's own code reaches the namespace through this
         self.path = self.files.init_path(path)
         self.is_coordinator = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The host copy `async_save` blocks for. With `cache_staged_state_dict` torch keeps it
+        in pinned memory, which needs an accelerator; without one the copy is kept in plain memory,
+        so a CPU job too skips reallocating (and page-faulting) it on every save."""
+        if not self.cache_staged_state_dict or torch.accelerator.is_available():
+            return super().stage(state_dict)  # type: ignore[no-any-return]
+        self.per_thread_copy_ahead = 0
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict)
+        return _copy_state_dict(state_dict, self.state_dict_cache)  # type: ignore[no-any-return]
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
@@ -255,6 +268,7 @@ class Checkpoints:
         self.root = _path(root).rstrip("/") or "/"
         self.keep_last = keep_last
         self.client = client or gpufeed.client()
+        self._process_group: dist.ProcessGroup | None = None
 
     def path(self, step: int) -> str:
         return posixpath.join(self.root, STEP_DIR.format(step=step))
@@ -283,7 +297,8 @@ class Checkpoints:
     def async_save(self, state_dict: dict[str, Any], step: int, **writer: Any) -> Future[Any]:
         """Returns once the state is copied to host memory; the future is done when the
         checkpoint is complete in the store (and older ones beyond `keep_last` are pruned)."""
-        saving = dcp.async_save(state_dict, storage_writer=GpufeedWriter(self.path(step), client=self.client, **writer))
+        writer_ = GpufeedWriter(self.path(step), client=self.client, **writer)
+        saving = dcp.async_save(state_dict, storage_writer=writer_, process_group=self._group())
         assert isinstance(saving, Future)
         future: Future[Any] = Future()
 
@@ -332,6 +347,16 @@ class Checkpoints:
                 self._remove(entry.path)
                 removed.append(step)
         return removed
+
+    def _group(self) -> dist.ProcessGroup | None:
+        """A gloo group of its own for the saves' collectives: an async save gathers plans from a
+        background thread, which must not interleave with the job's own collectives on the
+        default group. Made on the first async save, which every rank reaches together."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._process_group is None:
+            self._process_group = dist.new_group(backend="gloo")
+        return self._process_group
 
     def _complete(self, directory: str) -> bool:
         try:
