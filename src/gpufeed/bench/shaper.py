@@ -3,8 +3,9 @@
 The kernel here has no netem, so latency is added in user space, per request: on each
 connection, the first response bytes after a client request are held for `latency` seconds
 (keep-alive connections carry many requests, each pays it, as each pays a network round
-trip). An optional bandwidth cap paces every byte sent back, across all connections, like
-one shared link. Runs as its own process (`python -m gpufeed.bench.shaper`) so it never
+trip). An optional bandwidth cap paces every byte, across all connections, like one shared
+full-duplex link: responses on its downlink, request bodies (uploads) on its uplink, each at
+the cap. Runs as its own process (`python -m gpufeed.bench.shaper`) so it never
 competes with the benchmark for the GIL.
 """
 
@@ -24,6 +25,8 @@ import uvloop
 from gpufeed.bench.children import helper, python_module, until_parent_exits
 
 WRITE_HIGH_WATER = 1 << 20
+UPLINK_SLACK_S = 0.001
+"""An upload chunk due sooner than this goes at once (a request line is not worth a timer)."""
 
 
 class Pacer:
@@ -50,6 +53,7 @@ class Shaper:
         self.upstream = upstream
         self.latency = latency
         self.pacer = Pacer(bandwidth) if bandwidth else None
+        self.uplink = Pacer(bandwidth) if bandwidth else None
 
     def client_protocol(self) -> asyncio.Protocol:
         return _ClientSide(self)
@@ -87,10 +91,24 @@ class _ClientSide(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.asked = True
+        wait = self.shaper.uplink.delay(len(data)) if self.shaper.uplink is not None else 0.0
+        if wait > UPLINK_SLACK_S:
+            assert self.transport is not None
+            self.transport.pause_reading()  # the next chunk waits behind this one, as on a link
+            asyncio.get_running_loop().call_later(wait, self._forward_held, data)
+        else:
+            self._forward(data)
+
+    def _forward(self, data: bytes) -> None:
         if self.store is None:
             self.early.append(data)
         else:
             self.store.send(data)
+
+    def _forward_held(self, data: bytes) -> None:
+        self._forward(data)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def eof_received(self) -> bool:
         if self.store is not None:
