@@ -140,3 +140,15 @@ def test_a_pipeline_stage_writes_parquet_and_the_next_reads_it_from_the_cache(ou
     assert done.stdout.split() == ["5000", str(sum(range(5000)))]
     assert moto_requests(out, server_dir / "moto.log", "GET", "etl/index.parquet") == 0, "read from this node's cache"
     assert moto_requests(out, server_dir / "moto.log", "PUT", "etl/index.parquet") == 1, "uploaded once"
+
+
+def test_another_node_reads_a_big_written_file_in_ranges_checked_against_its_hash(
+    out: Bucket, server_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = os.urandom(40 << 20)  # a checkpoint-sized file: checked whole, read in 16 MiB ranges
+    gpufeed.write("/out/ckpt/shard.bin", body, sync=True)
+    monkeypatch.setenv("GPUFEED_CACHE_DIRS", str(tmp_path / "other-node"))  # another node: its own cache and agent
+    gpufeed._default = None
+    assert hashlib.sha256(gpufeed.read("/out/ckpt/shard.bin")).digest() == hashlib.sha256(body).digest()
+    assert moto_requests(out, server_dir / "moto.log", "GET", "ckpt/shard.bin") == 3, "three ranges, all in flight"
+    stop_agent(Settings.from_env())
