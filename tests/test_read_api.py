@@ -166,3 +166,22 @@ def test_max_age_revalidates_on_open(source: tuple, monkeypatch: pytest.MonkeyPa
     time.sleep(0.01)
     assert gpufeed.read("/data/top.txt") == b"fresh!"
     assert gpufeed.stat("/data/top.txt").size == 6, "manifest entry updated"
+
+
+def test_readinto_over_many_blocks_fills_the_buffer_with_a_block_missing_from_the_cache(tmp_path: Path) -> None:
+    root = tmp_path / "big"
+    root.mkdir()
+    body = os.urandom(5 * 4096 + 123)
+    (root / "f.bin").write_bytes(body)
+    Namespace().add_mount("/big", f"file://{root}", {"block_size": "4KiB"})
+    client = gpufeed.client()
+    handle = client.handle("/big/f.bin")
+    client.warm(handle)
+    assert handle.blocks is not None
+    os.unlink(handle.blocks.path(2))  # evicted: the copy block by block stops there, the rest is read again
+    buffer = bytearray(len(body) - 100)
+    with gpufeed.open("/big/f.bin") as f:
+        f.seek(50)
+        assert f.readinto(buffer) == len(buffer)
+        assert f.readinto(bytearray(1000)) == 50, "short at the end of the file"
+    assert bytes(buffer) == body[50:-50]

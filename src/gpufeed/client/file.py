@@ -50,11 +50,9 @@ class FeedFile(io.RawIOBase):
 
     def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
         self._checkClosed()
-        target = memoryview(buffer).cast("B")
-        data = self._client.read_range(self._handle, self._pos, self._pos + len(target))
-        target[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
+        done = self._client.read_into(self._handle, self._pos, memoryview(buffer).cast("B"))
+        self._pos += done
+        return done
 
     def read(self, size: int | None = -1) -> bytes:
         self._checkClosed()

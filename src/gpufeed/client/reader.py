@@ -240,6 +240,32 @@ class Client:
         data = self._hit(handle, start, end)
         return data if data is not None else self._read_misses([(handle, start, end)])[0]
 
+    def read_into(self, handle: ObjectHandle, start: int, target: memoryview) -> int:
+        """`read_range` into the caller's buffer; returns the bytes read. A read over many cached
+        blocks (a checkpoint's tensor) is copied block by block straight into `target`, without
+        the assembled buffer `read_range` returns; from the first block not on disk on, the rest
+        goes through `read_range`."""
+        end = min(start + len(target), handle.size)
+        if end <= start:
+            return 0
+        lo, hi = handle.extent(start, end)
+        ref = handle.blocks
+        at = lo
+        if ref is not None and hi - lo > ref.block_size:
+            size = ref.block_size
+            while at < hi:
+                stop = min(hi, (at // size + 1) * size)
+                piece = self._hit(handle, at, stop)
+                if piece is None:
+                    break
+                target[at - lo : stop - lo] = piece
+                at = stop
+        if at < hi:
+            rest = self.read_range(handle, start + (at - lo), end)
+            target[at - lo : at - lo + len(rest)] = rest
+            return at - lo + len(rest)
+        return hi - lo
+
     def read_many(self, reads: Sequence[tuple[ObjectHandle, int, int]]) -> list[memoryview]:
         """`read_range` for a batch (a DataLoader batch, say): hits are read here and the
         batch's misses are fetched together, so a batch waits about one fetch, not one per
