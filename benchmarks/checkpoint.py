@@ -19,7 +19,7 @@ Restore (the page cache dropped before each): dcp.load from the local-disk check
 baseline), gpufeed on the node that saved (a restart: the blocks are in its cache), gpufeed on a
 fresh node (another cache dir and agent: from the store through the shaper), s3torchconnector.
 Upload: checkpoint bytes over the time from the async_save call to its future's end, against
-the cap, beside the store's own ceiling (one obstore put of 256 MiB, straight to s3rver).
+the cap, beside what one obstore put of 256 MiB straight to s3rver (no shaper) achieves.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def run_rank(rank: int, world: int, port: int, size: int, work: str, endpoint: s
 
 
 def store_ceiling(endpoint: str) -> float:
-    """MB/s of one 256 MiB put straight to s3rver (no shaper): what the store itself can take."""
+    """MB/s of one 256 MiB put straight to s3rver (no shaper): how fast the store takes one stream."""
     import obstore
     from obstore.store import S3Store
 
@@ -186,7 +186,7 @@ def store_ceiling(endpoint: str) -> float:
 def report(size: int, times: dict[str, float], args: argparse.Namespace, ceiling: float) -> None:
     mb = size / 1e6
     print(f"\n== state {size / 2**30:g} GiB over {args.ranks} ranks; store {args.latency_ms:g} ms, cap {args.bandwidth:g} MB/s "
-          f"each way (s3rver's own ceiling {ceiling:,.0f} MB/s)")
+          f"each way (one 256 MiB put straight to s3rver: {ceiling:,.0f} MB/s)")
     blocked = times["gpufeed async call 2"]
     print(f"{'blocked per save':42} {'s':>8}  gpufeed async_save's block as a share of it")
     for name in ("torch.save local", "dcp local", "dcp local async call 2", "gpufeed sync", "s3tc sync", "s3tc async call",
