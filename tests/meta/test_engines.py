@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpufeed.errors import MountConflict
+from gpufeed.errors import MountConflict, PathNotFound
 from gpufeed.meta.base import Entry, Mount
 from gpufeed.meta.manifest import ManifestStats, count_changes, entries_from_listing
 from gpufeed.namespace import Namespace
@@ -121,4 +121,10 @@ def test_a_written_object_is_recorded_with_its_directories_and_removed_alone(nam
     assert not namespace.record_written("/out", uploaded, replacing=pending), "a newer write of the path stays"
     assert namespace.stat("/out/runs/7/ckpt.bin").size == 4
     namespace.record_removed("/out", "runs/7/ckpt.bin")
-    assert namespace.ls("/out/runs/7") == [] and [i.path for i in namespace.ls("/out")] == ["/out/runs", "/out/seed"]
+    assert [i.path for i in namespace.ls("/out")] == ["/out/seed"], "the directories it leaves empty go with it"
+    with pytest.raises(PathNotFound):
+        namespace.ls("/out/runs")
+    namespace.record_written("/out", ObjectInfo("a/b/one", 1, 1.0, None, None))
+    namespace.record_written("/out", ObjectInfo("a/two", 1, 1.0, None, None))
+    namespace.record_removed("/out", "a/b/one")
+    assert [i.path for i in namespace.ls("/out/a")] == ["/out/a/two"], "a directory that still holds a file stays"
