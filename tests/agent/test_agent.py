@@ -8,9 +8,11 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -100,6 +102,29 @@ def test_hits_need_no_agent(files: dict[str, bytes], gpufeed_home: Path) -> None
         assert client.read(f"/data/{name}") == data
     client.hits.flush()
     assert connect(gpufeed_home / "cache") is None, "hits and hit reports never start an agent"
+
+
+def test_an_agent_dying_at_the_handshake_is_replaced_not_taken_for_another_release(
+    files: dict[str, bytes], gpufeed_home: Path
+) -> None:
+    """An agent killed with kill -9 keeps its socket until its last thread has exited: a reader
+    that connects in that moment sees the connection closed. It starts a new agent and reads
+    through it, instead of reading uncached as if an old release were running."""
+    dying = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dying.bind(codec.address(gpufeed_home / "cache"))
+    dying.listen()
+
+    def die() -> None:
+        conn, _ = dying.accept()
+        conn.close()
+        dying.close()
+
+    threading.Thread(target=die, daemon=True).start()
+    client = Client()
+    for name, data in files.items():
+        assert client.read(f"/data/{name}") == data
+    assert stats().misses == len(files), "every read went through a new agent"
+    assert len(block_files(gpufeed_home / "cache")) == len(files)
 
 
 def test_an_agent_of_another_release_is_left_alone_with_one_warning(

@@ -49,6 +49,7 @@ HIT_CHECK_EVERY = 32
 START_TIMEOUT_S = 20.0
 START_BACKOFF_S = 10.0
 ATTEMPTS = 4
+RETRY_PAUSE_S = 0.025
 EXIT_ALREADY_RUNNING = 3  # AgentRunning's exit code: another starter won the race; connect to it
 
 
@@ -160,7 +161,14 @@ class AgentClient:
         sock.sendall(codec.frame(Hello(codec.VERSION)))
         try:
             reply = codec.recv_reply(sock)
-        except (ConnectionResetError, codec.ProtocolError):
+        except ConnectionResetError:
+            # an agent killed a moment ago still holds its socket until its last thread exits:
+            # an OSError, so request() retries and starts a new one once the old one is gone
+            raise ConnectionResetError(
+                f"the agent for {self.primary} closed the connection at its handshake "
+                "(it is stopping, or runs another gpufeed release: `gpufeed agent stop` replaces it)"
+            ) from None
+        except codec.ProtocolError:
             reply = None
         if isinstance(reply, AgentInfo):
             return reply
@@ -220,7 +228,9 @@ class AgentClient:
         error the agent reports is raised as the gpufeed error it names."""
         data = codec.frame(message)
         failure: Exception | None = None
-        for _ in range(ATTEMPTS if start else 1):
+        for attempt in range(ATTEMPTS if start else 1):
+            if failure is not None:
+                time.sleep(RETRY_PAUSE_S * 2**attempt)  # a dying agent's socket lingers a moment
             try:
                 sock = self._socket(start)
                 sock.sendall(data)
@@ -249,13 +259,20 @@ class AgentClient:
 
     def hello(self) -> AgentInfo:
         """The agent's greeting on this client's first connection."""
-        if self._hello is None:
+        failure: OSError | None = None
+        for attempt in range(ATTEMPTS):
+            if self._hello is not None:
+                break
+            if failure is not None:
+                time.sleep(RETRY_PAUSE_S * 2**attempt)  # a dying agent's socket lingers a moment
             try:
                 self._socket(True)
             except OSError as exc:  # no agent could be reached or started (a read-only cache dir)
                 self._drop()
-                raise AgentUnavailable(f"agent for {self.primary}: {exc.strerror or exc}") from exc
-        assert self._hello is not None
+                failure = exc
+        if self._hello is None:
+            assert failure is not None
+            raise AgentUnavailable(f"agent for {self.primary}: {failure.strerror or failure}") from failure
         return self._hello
 
     def stats(self, *, start: bool = True) -> AgentInfo:
