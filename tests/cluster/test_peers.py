@@ -87,6 +87,39 @@ def test_each_block_is_fetched_from_the_store_once_for_the_whole_cluster(
     wait(lambda: {node["id"] for node in asyncio.run(status(url))} == {"node0", "node2"}, "node1 to drop out")
 
 
+def test_an_object_checked_whole_is_fetched_once_by_its_owner_and_passed_block_by_block(
+    cluster: tuple[str, list[Member]], nginx: HttpServer, tmp_path: Path
+) -> None:
+    """A file whose sha256 is known (from a checksums file, or a write) is cached only after the
+    whole file matched it. Its blocks have one owner, which fetches it once; the other nodes
+    ask that owner for each block and check the assembled file against the hash themselves."""
+    url, members = cluster
+    site = nginx.root / f"hashed-{tmp_path.name}"
+    site.mkdir()
+    digests, sums = {}, []
+    for i in range(12):
+        body = os.urandom(30_000 + i)
+        (site / f"{i:03d}.bin").write_bytes(body)
+        digests[f"/hashed/{i:03d}.bin"] = hashlib.sha256(body).hexdigest()
+        sums.append(f"{digests[f'/hashed/{i:03d}.bin']}  {i:03d}.bin\n")
+    (tmp_path / "SHA256SUMS").write_text("".join(sums))
+    Namespace().add_mount("/hashed", f"{nginx.url}/{site.name}", {"block_size": "8KiB"},
+                          checksums=str(tmp_path / "SHA256SUMS"))
+    paths = sorted(digests)
+    for member in members:
+        assert member.read_all(paths) == digests
+    assert gets(nginx, site.name) == len(paths), "each file came from the store once, whole, for the whole cluster"
+    blocks = 4 * len(paths)  # 30 KB in 8 KiB blocks
+
+    def served() -> int | None:  # a node's counts reach Redis on its next heartbeat
+        total = sum(node["served_blocks"] for node in asyncio.run(status(url)))
+        return total if total >= 2 * blocks else None
+
+    assert wait(served, "the nodes' heartbeats to publish the blocks they served", timeout=10) == 2 * blocks, (
+        "every block went from its owner to each of the two other nodes"
+    )
+
+
 def test_the_peer_api_refuses_a_wrong_token_garbage_and_oversized_requests(cluster: tuple[str, list[Member]]) -> None:
     _, members = cluster
     target = f"http://127.0.0.1:{members[0].port}/v1/block"

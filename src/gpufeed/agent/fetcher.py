@@ -76,12 +76,20 @@ class BlockSource(Protocol):
         source does not have them (a peer that never cached them)."""
         ...
 
+    def only_blocks(self, job: Job) -> bool:
+        """Whether this source would be asked for the job's object and answers whole blocks
+        only (a peer): the fetcher then asks for the object block by block."""
+        ...
+
 
 class StoreBlocks:
     """The object store itself: the last source in the chain, and the one that always answers."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
+
+    def only_blocks(self, job: Job) -> bool:
+        return False
 
     async def read(self, job: Job, start: int, end: int) -> memoryview:
         began = time.monotonic()
@@ -254,21 +262,28 @@ class Fetcher:
     async def _whole_bytes(self, job: Job) -> memoryview:
         """A small object in one read, which the source checks against the content hash; a big
         one (a checkpoint's file) in WHOLE_PART ranges all in flight, as one GET stream over a
-        long link is slow, each conditional on the listed version, hashed here once assembled.
-        A mismatch is read again once, then reported."""
+        long link is slow, each conditional on the listed version; an object a peer owns block
+        by block, as peers pass whole blocks. Parts are hashed here once assembled, so a peer's
+        bytes are checked end to end as the store's are. A mismatch is read again once, then
+        reported."""
         info = job.want.info
-        if info.size <= 2 * WHOLE_PART or info.content_hash is None:
+        assert info.content_hash is not None
+        if any(source.only_blocks(job) for source in self.chain):
+            step = job.blocks.block_size
+        elif info.size <= 2 * WHOLE_PART:
             return await self._read(job, 0, info.size)
+        else:
+            step = WHOLE_PART
         algorithm, _, wanted = info.content_hash.partition(":")
         got = ""
         for _ in range(2):
             buffer = bytearray(info.size)
 
             async def part(start: int, buffer: bytearray = buffer) -> None:
-                end = min(start + WHOLE_PART, info.size)
+                end = min(start + step, info.size)
                 buffer[start:end] = await self._read(job, start, end)
 
-            await asyncio.gather(*(part(start) for start in range(0, info.size, WHOLE_PART)))
+            await asyncio.gather(*(part(start) for start in range(0, info.size, step)))
             got = await asyncio.to_thread(_hexdigest, algorithm, buffer)
             if got == wanted.lower():
                 return memoryview(buffer)

@@ -156,28 +156,44 @@ class PeerBlocks:
         if self.session is not None:
             await self.session.close()
 
-    async def read(self, job: Job, start: int, end: int) -> memoryview | None:
+    def _peers(self, job: Job) -> list[Node]:
+        """The live owners to ask, in order, before this node goes to the store itself. An
+        object checked whole against its hash has one owner for all its blocks, which fetches
+        it once."""
         nodes = self.membership.nodes
-        if serving_peer.get() or job.verified_whole or len(nodes) < 2 or job.group is None:
-            return None
+        if serving_peer.get() or len(nodes) < 2 or job.group is None:
+            return []
         assert self.suspects is not None
-        me = self.membership.me.id
-        for node in owners(job.block.name, nodes, self.replicas):
-            if node.id == me:
-                return None  # this node owns it: the store, by this node
-            if node.id in self.suspects:
+        asked = []
+        for node in owners(job.blocks.oid if job.verified_whole else job.block.name, nodes, self.replicas):
+            if node.id == self.membership.me.id:
+                break  # this node owns it: the store, by this node
+            if node.id not in self.suspects:
+                asked.append(node)
+        return asked
+
+    def only_blocks(self, job: Job) -> bool:
+        return bool(self._peers(job))
+
+    async def read(self, job: Job, start: int, end: int) -> memoryview | None:
+        index, offset = divmod(start, job.blocks.block_size)
+        if offset or end != start + job.blocks.length(index):
+            return None  # peers pass whole blocks
+        assert self.suspects is not None
+        for node in self._peers(job):
+            if node.id in self.suspects:  # marked while another part of the object was asked
                 continue
             began = time.monotonic()
-            data = await self._ask(node, job, end - start)
+            data = await self._ask(node, job, index, end - start)
             if data is not None:
                 self.metrics.fetched(job.mount, "peer", len(data), time.monotonic() - began)
                 return data
         return None
 
-    async def _ask(self, node: Node, job: Job, length: int) -> memoryview | None:
+    async def _ask(self, node: Node, job: Job, index: int, length: int) -> memoryview | None:
         assert self.session is not None and self.suspects is not None and job.group is not None
         want = job.want
-        one = Group(job.group.source, [ObjectWant(want.info, want.check, want.block_size, [job.index])],
+        one = Group(job.group.source, [ObjectWant(want.info, want.check, want.block_size, [index])],
                     job.group.credentials, job.group.mount)
         try:
             async with self.session.post(
@@ -195,7 +211,7 @@ class PeerBlocks:
             return None
         if len(data) != length or xxhash.xxh3_64_hexdigest(data) != expected:
             self.metrics.count("peer_corrupt")
-            self.suspects.mark(node, f"block {job.block.name} arrived damaged ({len(data)} of {length} bytes)")
+            self.suspects.mark(node, f"block {job.blocks.block(index).name} arrived damaged ({len(data)} of {length} bytes)")
             return None
         return memoryview(data)
 
@@ -231,7 +247,7 @@ class PeerServer:
             raise
         except (msgspec.DecodeError, msgspec.ValidationError, errors.InvalidArgument) as exc:
             return web.Response(status=400, text=f"malformed block request: {exc}")
-        if len(jobs) != 1 or jobs[0].verified_whole:
+        if len(jobs) != 1:
             return web.Response(status=400, text="a peer request names exactly one block of one object")
         job = jobs[0]
         mark = serving_peer.set(True)

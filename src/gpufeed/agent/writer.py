@@ -24,6 +24,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpufeed import errors
 from gpufeed.agent.manager import CacheManager
@@ -35,6 +36,9 @@ from gpufeed.namespace import CachePolicy, Namespace, normalize
 from gpufeed.rpc.messages import Commit, Committed, Credentials, Failure, Remove, SourceSpec, Sync, Synced
 from gpufeed.sources import Source, open_source
 from gpufeed.sources.base import ObjectInfo
+
+if TYPE_CHECKING:
+    from gpufeed.agent.fetcher import Job
 
 log = logging.getLogger("gpufeed.agent")
 
@@ -335,7 +339,7 @@ class StagedBlocks:
     def __init__(self, uploads: Uploads) -> None:
         self.uploads = uploads
 
-    async def read(self, job, start: int, end: int) -> memoryview | None:  # type: ignore[no-untyped-def]
+    async def read(self, job: Job, start: int, end: int) -> memoryview | None:
         group = job.group
         if group is None:
             return None
@@ -343,6 +347,9 @@ class StagedBlocks:
         if upload is None:
             return None
         return await self.uploads.read(upload, start, end)
+
+    def only_blocks(self, job: Job) -> bool:
+        return False
 
 
 def _alive(pid: int) -> bool:
