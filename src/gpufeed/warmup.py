@@ -69,9 +69,16 @@ def running(client: Client) -> Iterator[Progress]:
 
 
 def warm(
-    client: Client, files: list[FileStat], paths: list[str], concurrency: int, report: Callable[[Progress], None]
+    client: Client,
+    files: list[FileStat],
+    paths: list[str],
+    concurrency: int,
+    report: Callable[[Progress], None],
+    *,
+    at_owners: bool = False,
 ) -> Progress:
-    """Fetch every block of `files` through the agent, `concurrency` files at a time."""
+    """Fetch every block of `files` through the agent, `concurrency` files at a time; with
+    `at_owners`, into the caches of the blocks' owners in the cache cluster (`Client.warm`)."""
     progress = Progress(paths, len(files), sum(f.size for f in files))
     status = status_dir(client) / f"{progress.pid}.json"
     lock = threading.Lock()
@@ -107,7 +114,7 @@ def warm(
                 progress.done_bytes += size
                 tick()
 
-        cached = client.warm(client.handle(item.path), fetched)
+        cached = client.warm(client.handle(item.path), fetched, at_owners=at_owners)
         with lock:
             progress.done_files += 1
             progress.done_bytes += item.size - active.pop(number)[1]

@@ -120,6 +120,31 @@ def test_an_object_checked_whole_is_fetched_once_by_its_owner_and_passed_block_b
     )
 
 
+def test_a_cluster_warmup_caches_each_block_once_on_its_owner(
+    cluster: tuple[str, list[Member]], dataset: tuple[list[str], dict[str, str], str], nginx: HttpServer
+) -> None:
+    _, members = cluster
+    paths, digests, site = dataset
+
+    def warmup(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "gpufeed", "warmup", "/data", "--cluster", "--json", "--quiet"]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+
+    done = warmup(members[0].env())
+    assert done.returncode == 0, done.stderr
+    total = sum(30_000 + i for i in range(FILES))
+    assert json.loads(done.stdout) | {"seconds": 0} == {"files": FILES, "bytes": total, "fetched_bytes": total, "seconds": 0}
+    assert gets(nginx, site) == FILES, "the store served each file once"
+    cached = [len(list((member.cache / "blocks").rglob("*-*"))) for member in members]
+    assert sum(cached) == FILES and all(cached), f"each block cached once, on its owner, and every node owns some: {cached}"
+    again = warmup(members[2].env())
+    assert again.returncode == 0 and json.loads(again.stdout)["fetched_bytes"] == 0, "found cached at the owners"
+    assert members[1].read_all(paths) == digests
+    assert gets(nginx, site) == FILES, "a node that warmed nothing itself reads from the owners"
+    alone = warmup({**os.environ, "GPUFEED_CACHE_DIRS": str(members[0].cache.parent / "alone")})
+    assert alone.returncode != 0 and "not in a cache cluster" in alone.stderr and len(alone.stderr.strip().splitlines()) == 1, alone.stderr
+
+
 def test_the_peer_api_refuses_a_wrong_token_garbage_and_oversized_requests(cluster: tuple[str, list[Member]]) -> None:
     _, members = cluster
     target = f"http://127.0.0.1:{members[0].port}/v1/block"

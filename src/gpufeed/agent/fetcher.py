@@ -152,6 +152,9 @@ class Fetcher:
 
     async def fetch(self, groups: list[Group]) -> Fetched:
         """Demand reads: reply once every block is published, known uncached, or failed."""
+        return await self.fetch_jobs(self.jobs(groups))
+
+    async def fetch_jobs(self, jobs: list[Job]) -> Fetched:
         reply = Fetched([], [], 0)
 
         async def one(job: Job) -> None:
@@ -170,7 +173,7 @@ class Fetcher:
             if status == "uncached":
                 reply.uncached.append((job.number, job.index))
 
-        await asyncio.gather(*(one(job) for job in self.jobs(groups)))
+        await asyncio.gather(*(one(job) for job in jobs))
         return reply
 
     async def ensure(self, job: Job, repair: bool = False) -> tuple[Status, int]:

@@ -6,6 +6,8 @@ store, and the HTTP API that answers it.
       200  the block's bytes; X-Gpufeed-Xxh3: their xxh3-64, which the asker checks
       404  the owner cannot cache it: the asker reads the store itself
       400 malformed, 401 wrong token, 413 over MAX_REQUEST, 502 the store failed the owner
+    POST /v1/warm    body: msgpack `PeerWarm` (blocks the peer owns, for a cluster warmup)
+      200  msgpack `Fetched`: once every block is cached there, known uncached, or failed
     GET /v1/health   200 "ok" (token required too): how a suspect peer is probed
 
 Blocks are named by the request's own object identity (`Fetcher.jobs` derives it, as for local
@@ -22,7 +24,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +43,7 @@ from gpufeed.cluster import poolboard
 from gpufeed.cluster.membership import HEARTBEAT_S, Membership
 from gpufeed.cluster.ownership import Node, owners
 from gpufeed.config import Settings, cluster_node_id, parse_addr
-from gpufeed.rpc.messages import Group, ObjectWant, PeerFetch
+from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant, PeerFetch, PeerWarm
 
 if TYPE_CHECKING:
     from gpufeed.agent.fetcher import Fetcher, Job
@@ -57,9 +59,14 @@ store may be slow, so this is generous; a host that is gone is caught by UNACKED
 UNACKED_S = 1.0
 """A request the peer's host has not acknowledged for this long fails (TCP_USER_TIMEOUT): a host
 off the network is skipped within a second even on a kept-alive connection."""
+WARM_TIMEOUT_S = 300.0
+"""How long an owner may take to cache a cluster warmup's batch from its store before it is
+suspect and this node fetches that batch itself."""
 PROBE_S = 1.0
 CHECKSUM = "X-Gpufeed-Xxh3"
 _decoder = msgspec.msgpack.Decoder(PeerFetch)
+_warm_decoder = msgspec.msgpack.Decoder(PeerWarm)
+_fetched_decoder = msgspec.msgpack.Decoder(Fetched)
 _encoder = msgspec.msgpack.Encoder()
 
 serving_peer: contextvars.ContextVar[bool] = contextvars.ContextVar("serving_peer", default=False)
@@ -216,6 +223,56 @@ class PeerBlocks:
         return memoryview(data)
 
 
+    async def warm(self, jobs: list[Job], here: Callable[[list[Job]], Awaitable[Fetched]]) -> Fetched:
+        """Have each job's block cached by its first live owner, every owner at once; `here`
+        fetches the blocks this node owns, and those of an owner that fails."""
+        local: list[Job] = []
+        by_owner: dict[str, tuple[Node, list[Job]]] = {}
+        for job in jobs:
+            asked = self._peers(job)
+            if asked:
+                by_owner.setdefault(asked[0].id, (asked[0], []))[1].append(job)
+            else:
+                local.append(job)
+        replies = await asyncio.gather(here(local), *(self._warm_at(node, owned, here) for node, owned in by_owner.values()))
+        return Fetched(
+            [pair for reply in replies for pair in reply.uncached],
+            [failure for reply in replies for failure in reply.failures],
+            sum(reply.fetched for reply in replies),
+        )
+
+    async def _warm_at(self, node: Node, jobs: list[Job], here: Callable[[list[Job]], Awaitable[Fetched]]) -> Fetched:
+        """One owner's share of a warmup, as one request; its reply renumbered to the asker's objects."""
+        assert self.session is not None and self.suspects is not None
+        of_object: dict[int, list[Job]] = {}
+        for job in jobs:
+            of_object.setdefault(job.number, []).append(job)
+        numbers = list(of_object)
+        groups = []
+        for same in of_object.values():
+            first, want = same[0], same[0].want
+            assert first.group is not None
+            wanted = ObjectWant(want.info, want.check, want.block_size, [job.index for job in same])
+            groups.append(Group(first.group.source, [wanted], first.group.credentials, first.group.mount))
+        try:
+            async with self.session.post(
+                f"http://{node.address}/v1/warm", data=_encoder.encode(PeerWarm(groups)), headers=self.headers,
+                timeout=aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S, sock_read=WARM_TIMEOUT_S),
+            ) as response:
+                if response.status != 200:
+                    self.suspects.mark(node, f"HTTP {response.status} {(await response.text())[:200]}")
+                    return await here(jobs)
+                reply = _fetched_decoder.decode(await response.read())
+        except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError) as exc:
+            self.suspects.mark(node, str(exc) or type(exc).__name__)
+            return await here(jobs)
+        return Fetched(
+            [(numbers[number], index) for number, index in reply.uncached],
+            [Failure(f.code, f.message, None if f.object is None else numbers[f.object]) for f in reply.failures],
+            reply.fetched,
+        )
+
+
 class PeerServer:
     """The peer HTTP API of this node."""
 
@@ -268,9 +325,26 @@ class PeerServer:
         self.metrics.count("peer_served_bytes", len(data))
         return web.Response(body=data, headers={CHECKSUM: xxhash.xxh3_64_hexdigest(data)})
 
+    async def warm(self, request: web.Request) -> web.Response:
+        if not self._allowed(request):
+            return web.Response(status=401, text="wrong token")
+        try:
+            jobs = self.fetcher.jobs(_warm_decoder.decode(await request.read()).groups)
+        except web.HTTPRequestEntityTooLarge:
+            raise
+        except (msgspec.DecodeError, msgspec.ValidationError, errors.InvalidArgument) as exc:
+            return web.Response(status=400, text=f"malformed warm request: {exc}")
+        mark = serving_peer.set(True)
+        try:
+            reply = await self.fetcher.fetch_jobs(jobs)
+        finally:
+            serving_peer.reset(mark)
+        return web.Response(body=_encoder.encode(reply), content_type="application/msgpack")
+
     async def start(self, host: str, port: int) -> None:
         app = web.Application(client_max_size=MAX_REQUEST)
         app.router.add_post("/v1/block", self.block)
+        app.router.add_post("/v1/warm", self.warm)
         app.router.add_get("/v1/health", self.health)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()

@@ -215,7 +215,15 @@ class Agent:
         return self.info()
 
     async def _fetch(self, request: Fetch, conn: Connection) -> Reply:
-        reply = await self.fetcher.fetch(request.groups)
+        if not request.at_owners:
+            reply = await self.fetcher.fetch(request.groups)
+        elif self.cluster is None:
+            raise errors.InvalidArgument(
+                f"the agent for {self.config.primary} is not in a cache cluster: a cluster warmup needs "
+                "an agent started with --cluster"
+            )
+        else:
+            reply = await self.cluster.blocks.warm(self.fetcher.jobs(request.groups), self.fetcher.fetch_jobs)
         if (reader := self.metrics.readers.get(conn.pid)) is not None:
             reader.fetched_bytes += reply.fetched
         return reply

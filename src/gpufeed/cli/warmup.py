@@ -41,12 +41,17 @@ def warmup(
     listing: Path | None = typer.Option(None, "--list", help="File with one namespace path per line."),
     concurrency: int = typer.Option(16, "--concurrency", "-p", min=1, max=1024, help="Files fetched at once."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only print the total size and the cached fraction."),
+    cluster: bool = typer.Option(
+        False, "--cluster", help="Cache each block on its owner in the cache cluster, all nodes fetching their share at once."
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr; errors still print."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
     """Load PATHs into the node cache before a job reads them; 'warmup status' shows running ones.
 
     What is cached already is skipped, so a warmup that was stopped resumes where it stopped.
+    With --cluster (an agent started with --cluster) every block is fetched once, by its
+    owner, into the owner's cache; this node keeps the blocks it owns.
     'gpufeed warmup status [PATH]...' lists the running warmups (those reading under or
     containing a PATH)."""
     if paths and paths[0] == "status":
@@ -54,6 +59,8 @@ def warmup(
             raise InvalidArgument("'warmup status' takes namespace paths only, not --list or --dry-run")
         status(paths[1:])
         return
+    if dry_run and cluster:
+        raise InvalidArgument("--dry-run shows this node's cache: it does not combine with --cluster")
     client = Client()
     wanted = _paths(paths or [], listing)
     if dry_run:
@@ -70,7 +77,9 @@ def warmup(
     files = warming.files_under(client, wanted)
     try:
         with Meter("warmup", len(files), sum(f.size for f in files), quiet) as meter:
-            done = warming.warm(client, files, wanted, concurrency, lambda p: meter.update(p.done_files, p.done_bytes))
+            done = warming.warm(
+                client, files, wanted, concurrency, lambda p: meter.update(p.done_files, p.done_bytes), at_owners=cluster
+            )
     except warming.Stopped as stop:
         _stopped(stop, as_json)
     elapsed = time.monotonic() - meter.started

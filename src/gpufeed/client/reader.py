@@ -537,19 +537,25 @@ class Client:
             for first in range(0, len(blocks), FETCH_BATCH):
                 part = blocks[first : first + FETCH_BATCH]
                 if count + len(part) > FETCH_BATCH:
-                    uncached |= self._fetch_once(request)
+                    uncached |= self._fetch_once(request)[0]
                     request, count = [], 0
                 request.append((handle, part, [i for i in repair if i in part]))
                 count += len(part)
-        return uncached | self._fetch_once(request) if request else uncached
+        return uncached | self._fetch_once(request)[0] if request else uncached
 
-    def _fetch_once(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> set[tuple[str, int]]:
+    def _fetch_once(
+        self, wanted: list[tuple[ObjectHandle, list[int], list[int]]], *, at_owners: bool = False
+    ) -> tuple[set[tuple[str, int]], int]:
+        """One Fetch request: the (object id, block) pairs not cached, and the bytes the agent
+        (or, `at_owners`, the cluster's owners) read from stores for it."""
         groups, order = self._groups(wanted)
         try:
-            reply = self.agent.request(Fetch(groups), Fetched)
+            reply = self.agent.request(Fetch(groups, at_owners), Fetched)
         except AgentUnavailable as exc:
+            if at_owners:
+                raise
             self._warn_once("agent", f"{exc}; reading without the cache")
-            return {(handle.blocks.oid, index) for handle, blocks, _ in wanted for index in blocks}  # type: ignore[union-attr]
+            return {(handle.blocks.oid, index) for handle, blocks, _ in wanted for index in blocks}, 0  # type: ignore[union-attr]
         self.source_bytes += reply.fetched
         if reply.failures:
             failure = reply.failures[0]
@@ -563,22 +569,28 @@ class Client:
         uncached = {(order[number].blocks.oid, index) for number, index in reply.uncached}  # type: ignore[union-attr]
         if uncached:
             self._warn_once("uncached", f"the cache in {self.agent.primary} cannot hold more blocks; reading uncached")
-        return uncached
+        return uncached, reply.fetched
 
-    def warm(self, handle: ObjectHandle, fetched: Callable[[int], None] | None = None) -> int:
+    def warm(self, handle: ObjectHandle, fetched: Callable[[int], None] | None = None, *, at_owners: bool = False) -> int:
         """Make every block of `handle` present in the node cache without reading it; returns
         the bytes that were cached already. `fetched` hears the bytes of every WARM_STEP blocks
-        published, so a big object shows progress and a stopped warmup knows what it cached."""
+        published, so a big object shows progress and a stopped warmup knows what it cached.
+        `at_owners` (a cluster warmup): each block is cached by its owner in the cache cluster
+        instead, all owners at once; what none of them had to fetch was cached already."""
         ref = handle.blocks
         if ref is None:
             return 0
         lo, hi = handle.extent(0, handle.size)
-        missing = [i for i in ref.blocks.span(lo, hi) if not os.path.exists(ref.path(i))]
+        span = ref.blocks.span(lo, hi)
+        missing = list(span) if at_owners else [i for i in span if not os.path.exists(ref.path(i))]
+        from_stores = 0
         for first in range(0, len(missing), WARM_STEP):
             part = missing[first : first + WARM_STEP]
-            self._fetch([(handle, part, [])])
+            from_stores += self._fetch_once([(handle, part, [])], at_owners=at_owners)[1]
             if fetched is not None:
                 fetched(sum(overlap(ref.block_size, i, lo, hi) for i in part))
+        if at_owners:
+            return max(0, handle.size - from_stores)
         return handle.size - sum(overlap(ref.block_size, i, lo, hi) for i in missing)
 
     def cached_bytes(self, path: str) -> Iterator[tuple[FileStat, int]]:

@@ -17,7 +17,7 @@ import xxhash
 
 from gpufeed.rpc.messages import Reply, Request
 
-VERSION = 7
+VERSION = 8
 """What the agent and its readers must agree on; checked by `Hello` on every connection. Raise it
 with any change a running agent of the last release would misread or not do (4: typed msgpack
 messages; block headers that record the block's identity; 5: hit reports carry per-mount

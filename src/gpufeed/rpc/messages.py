@@ -67,6 +67,9 @@ class Fetch(msgspec.Struct, tag="fetch"):
     """Demand reads: the reply comes once every block is published, known uncached, or failed."""
 
     groups: list[Group]
+    at_owners: bool = False
+    """A cluster warmup: each block is fetched by its owner in the cache cluster and cached
+    there only (this node keeps the blocks it owns), every owner at once."""
 
 
 class Prefetch(msgspec.Struct, tag="prefetch"):
@@ -282,3 +285,10 @@ class PeerFetch(msgspec.Struct, tag="peer_fetch"):
     object and the one block it misses, as its reader named them, credentials included."""
 
     group: Group
+
+
+class PeerWarm(msgspec.Struct, tag="peer_warm"):
+    """A warming node's request to an owner (the peer HTTP API): fetch these blocks, all of them
+    its own, into its cache; the reply is a msgpack `Fetched` counting by these groups' objects."""
+
+    groups: list[Group]
