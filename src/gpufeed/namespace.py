@@ -87,18 +87,21 @@ class Resolved:
         return parent, name
 
 
-CACHE_OPTIONS = ("cache", "block_size", "verify", "format", "writable")
+CACHE_OPTIONS = ("cache", "block_size", "verify", "format", "writable", "copies")
 """Mount options the read path consumes (`format`: how the source's objects become files, see
 `pack.layout.FORMATS`); every other option belongs to the source."""
 
 
 @dataclass(frozen=True, slots=True)
 class CachePolicy:
-    """How a mount's reads use the node cache: `cache=on|off`, `block_size=4MiB`, `verify=always|never`."""
+    """How a mount's reads use the node cache: `cache=on|off`, `block_size=4MiB`, `verify=always|never`,
+    `copies=local|owner-only` (in a cache cluster: whether blocks other nodes own are kept like
+    this node's own, or as copies evicted first)."""
 
     enabled: bool
     block_size: int
     verify: bool
+    owner_only: bool = False
 
     @classmethod
     def of(cls, mount: Mount, settings: Settings) -> CachePolicy:
@@ -110,7 +113,10 @@ class CachePolicy:
         if not 4096 <= block_size <= 1 << 30:
             raise InvalidArgument(f"{mount.path}: block_size {block_size} must be between 4KiB and 1GiB")
         verify = parse_verify(options["verify"], "option verify") if "verify" in options else settings.verify
-        return cls(cache == "on", block_size, verify)
+        copies = options.get("copies", "local")
+        if copies not in ("local", "owner-only"):
+            raise InvalidArgument(f"{mount.path}: option copies={copies!r}: expected local or owner-only")
+        return cls(cache == "on", block_size, verify, copies == "owner-only")
 
 
 def is_writable(mount: Mount) -> bool:

@@ -38,6 +38,20 @@ def test_protected_blocks_are_never_chosen() -> None:
     assert policy.bytes == 10 and "b2" in policy
 
 
+def test_copies_of_other_nodes_blocks_go_first_even_when_newer_and_read() -> None:
+    policy = S3Fifo()
+    for i in range(5):
+        policy.insert(f"own{i}", 100)
+    for i in range(4):
+        policy.insert(f"copy{i}", 100, copy=True)
+        policy.access(f"copy{i}")
+    assert policy.bytes == 900 and len(policy) == 9
+    assert policy.victims(600, frozenset({"copy1"})) == ["copy0", "copy2", "copy3"], "oldest first, protected kept"
+    assert policy.victims(400) == ["copy1", "own0"], "the last copy, then S3-FIFO's own choice"
+    policy.remove("own1")
+    assert policy.bytes == 300 and "copy1" not in policy
+
+
 def test_remove_and_reinsert_keep_byte_counts_exact() -> None:
     policy = S3Fifo()
     policy.insert("x", 7)

@@ -142,7 +142,30 @@ def test_a_cluster_warmup_caches_each_block_once_on_its_owner(
     assert members[1].read_all(paths) == digests
     assert gets(nginx, site) == FILES, "a node that warmed nothing itself reads from the owners"
     alone = warmup({**os.environ, "GPUFEED_CACHE_DIRS": str(members[0].cache.parent / "alone")})
-    assert alone.returncode != 0 and "not in a cache cluster" in alone.stderr and len(alone.stderr.strip().splitlines()) == 1, alone.stderr
+    assert alone.returncode != 0 and "not in a cache cluster" in alone.stderr, alone.stderr
+    assert len(alone.stderr.strip().splitlines()) == 1, alone.stderr
+
+
+def test_owner_only_copies_are_evicted_first_so_the_cluster_holds_a_dataset_no_node_could(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    dataset: tuple[list[str], dict[str, str], str], nginx: HttpServer,
+) -> None:
+    """Three nodes with 1 MB caches and a 1.5 MB dataset: with `copies=owner-only` each node's
+    own third stays cached while the copies it read from the others make room, so epoch after
+    epoch the store serves each file once."""
+    _, digests, site = dataset
+    Namespace().add_mount("/lean", f"{nginx.url}/{site}", {"copies": "owner-only"})
+    lean = {path.replace("/data/", "/lean/"): digest for path, digest in digests.items()}
+    monkeypatch.setenv("GPUFEED_CLUSTER_TOKEN", TOKEN)
+    monkeypatch.setenv("GPUFEED_CACHE_SIZE", "1000000")
+    with joined(redis_url.rsplit("/", 1)[0] + "/8", [f"node{i}" for i in range(3)], tmp_path) as members:
+        for _ in range(2):
+            for member in members:
+                assert member.read_all(sorted(lean)) == lean
+        assert gets(nginx, site) == FILES, "no owner lost its own blocks to copies"
+        for member in members:
+            cached = sum(path.stat().st_size for path in (member.cache / "blocks").rglob("*-*"))
+            assert cached <= 1_000_000, f"{member.name} keeps to its quota: {cached}"
 
 
 def test_the_peer_api_refuses_a_wrong_token_garbage_and_oversized_requests(cluster: tuple[str, list[Member]]) -> None:

@@ -236,18 +236,24 @@ class Fetcher:
         size = job.blocks.block_size
         start = job.index * size
         data = await self._read(job, start, start + job.blocks.length(job.index))
-        return "ok" if await self._publish(job.block, data) else "uncached"
+        return "ok" if await self._publish(job.block, data, self._copy(job)) else "uncached"
 
-    async def _publish(self, block: BlockId, data: memoryview) -> bool:
+    def _copy(self, job: Job) -> bool:
+        """Whether the job's block is kept as a copy: its mount says `copies=owner-only` and
+        another cluster node owns it."""
+        return job.group is not None and job.group.owner_only and any(source.only_blocks(job) for source in self.chain)
+
+    async def _publish(self, block: BlockId, data: memoryview, copy: bool = False) -> bool:
         """Publish to the end even when the fetch that read `data` is cancelled (its reader went
         away): a block file is written and counted in the cache, or neither."""
-        return await asyncio.shield(self.manager.publish(block, data))
+        return await asyncio.shield(self.manager.publish(block, data, copy))
 
     async def _whole(self, job: Job) -> Status:
         """Fetch the object whole and check it against its content hash, then publish every
         block of it not yet present."""
         data = await self._whole_bytes(job)
         size = job.blocks.block_size
+        copy = self._copy(job)
         status: Status = "ok"
         names = {job.blocks.block(index).name for index in range(job.blocks.count)}
         self.busy |= names
@@ -256,7 +262,7 @@ class Fetcher:
                 block = job.blocks.block(index)
                 if index != job.index and self.manager.present(block):
                     continue
-                if not await self._publish(block, data[index * size : (index + 1) * size]):
+                if not await self._publish(block, data[index * size : (index + 1) * size], copy):
                     status = "uncached" if index == job.index else status
         finally:
             self.busy -= names

@@ -120,9 +120,10 @@ class CacheManager:
         """False while the disk was found full moments ago, or when one block exceeds the room."""
         return time.monotonic() >= self.full_until and length <= self.limit()
 
-    async def publish(self, block: BlockId, data: memoryview) -> bool:
+    async def publish(self, block: BlockId, data: memoryview, copy: bool = False) -> bool:
         """Write a verified block into the cache; False when the disk cannot hold it (then the
-        reader is served uncached, warned once, and the cache shrinks to what fits)."""
+        reader is served uncached, warned once, and the cache shrinks to what fits). A `copy`
+        (of a block another cluster node owns) is evicted before any other block."""
         path = self.path(block)
         for attempt in range(2):
             try:
@@ -144,7 +145,7 @@ class CacheManager:
                     self._warned_full = True
                 self.metrics.count("uncached")
                 return False
-        self.policy.insert(block.name, written)
+        self.policy.insert(block.name, written, copy)
         self.sizes[block.name] = written
         limit = self.limit()
         if self.policy.bytes > HIGH_WATERMARK * limit:

@@ -499,7 +499,8 @@ class Client:
             key = (mount.url, repr(sorted(options.items())), mount.path)
             if key not in groups:
                 credentials = Credentials(caller_credentials(mount.url, options))
-                groups[key] = (Group(SourceSpec(mount.url, options), [], credentials, mount.path), [])
+                owner_only = mount.options.get("copies") == "owner-only"
+                groups[key] = (Group(SourceSpec(mount.url, options), [], credentials, mount.path, owner_only), [])
             group, members = groups[key]
             members.append(handle)
             group.objects.append(ObjectWant(info, not mount.immutable, handle.blocks.block_size, blocks, repair))

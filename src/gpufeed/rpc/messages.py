@@ -51,6 +51,9 @@ class Group(msgspec.Struct):
     mount: str = ""
     """The namespace path of the objects' mount: the agent counts by it (never by URL or options,
     which may hold secrets)."""
+    owner_only: bool = False
+    """The mount's `copies=owner-only`: in a cache cluster, blocks another node owns are kept
+    here as copies that eviction takes first."""
 
 
 class Hello(msgspec.Struct, tag="hello"):
