@@ -75,6 +75,9 @@ class Settings:
     advertise: `GPUFEED_PEER_ADVERTISE`, HOST:PORT the other nodes reach it at (default peer_addr).
     replicas: `GPUFEED_CLUSTER_REPLICAS`, owners per block (1; 2 to fail over without the store).
     node_weight: `GPUFEED_NODE_WEIGHT`, this node's share of ownership relative to others (1).
+    peer_tls_cert, peer_tls_key, peer_tls_ca: `GPUFEED_PEER_TLS_CERT`, `_KEY`, `_CA`, PEM files:
+        all three set, the peer API speaks mutual TLS (this node's certificate and key, and the
+        cluster's CA every peer's certificate must be signed by); none set, plain HTTP.
     node_id: `GPUFEED_NODE_ID`, default HOSTNAME@ADVERTISED-ADDRESS.
     pool_quotas: `GPUFEED_POOL_QUOTAS`, GPUs each team may hold in the GPU pool, `team=2,other=0.5`,
         as (team, GPUs) pairs (the settings stay hashable); read when a pool's scheduler is first created.
@@ -104,6 +107,9 @@ class Settings:
     replicas: int = 1
     node_weight: float = 1.0
     node_id: str = ""
+    peer_tls_cert: str = ""
+    peer_tls_key: str = ""
+    peer_tls_ca: str = ""
     pool_quotas: tuple[tuple[str, float], ...] = ()
     pool_idle_timeout: float = 1800.0
 
@@ -134,6 +140,9 @@ class Settings:
             replicas=int(_float_env("GPUFEED_CLUSTER_REPLICAS", 1)),
             node_weight=_float_env("GPUFEED_NODE_WEIGHT", 1.0),
             node_id=os.environ.get("GPUFEED_NODE_ID", ""),
+            peer_tls_cert=os.environ.get("GPUFEED_PEER_TLS_CERT", ""),
+            peer_tls_key=os.environ.get("GPUFEED_PEER_TLS_KEY", ""),
+            peer_tls_ca=os.environ.get("GPUFEED_PEER_TLS_CA", ""),
             pool_quotas=tuple(parse_quotas(os.environ.get("GPUFEED_POOL_QUOTAS", ""), "GPUFEED_POOL_QUOTAS").items()),
             pool_idle_timeout=_float_env("GPUFEED_POOL_IDLE_TIMEOUT", 1800.0),
         )
@@ -176,6 +185,9 @@ CLUSTER_FLAGS = {
     "--replicas": "replicas",
     "--weight": "node_weight",
     "--node-id": "node_id",
+    "--peer-tls-cert": "peer_tls_cert",
+    "--peer-tls-key": "peer_tls_key",
+    "--peer-tls-ca": "peer_tls_ca",
 }
 """The agent's cluster flags and the settings they set (`python -m gpufeed.agent`, `gpufeed agent`)."""
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import http.client
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ from gpufeed.client.connection import AgentClient
 from gpufeed.cluster.membership import status
 from gpufeed.namespace import Namespace
 from tests.cluster.members import TOKEN, Member, joined, wait
+from tests.cluster.tls import cluster_certificates
 from tests.conftest import HttpServer
 
 FILES = 48
@@ -166,6 +169,41 @@ def test_owner_only_copies_are_evicted_first_so_the_cluster_holds_a_dataset_no_n
         for member in members:
             cached = sum(path.stat().st_size for path in (member.cache / "blocks").rglob("*-*"))
             assert cached <= 1_000_000, f"{member.name} keeps to its quota: {cached}"
+
+
+def test_peers_over_mutual_tls_serve_only_peers_with_a_cluster_certificate(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    dataset: tuple[list[str], dict[str, str], str], nginx: HttpServer,
+) -> None:
+    paths, digests, site = dataset
+    tls = cluster_certificates(tmp_path)
+    monkeypatch.setenv("GPUFEED_CLUSTER_TOKEN", TOKEN)
+    url = redis_url.rsplit("/", 1)[0] + "/9"
+    half = subprocess.run(
+        [sys.executable, "-m", "gpufeed.agent", "--cache-dir", str(tmp_path / "half"), "--cluster", url,
+         "--peer-addr", f"127.0.0.1:{free_port()}", "--peer-tls-cert", tls["GPUFEED_PEER_TLS_CERT"]],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert half.returncode != 0 and "all three" in half.stderr and len(half.stderr.strip().splitlines()) == 1, half.stderr
+    for name, path in tls.items():
+        monkeypatch.setenv(name, path)
+    with joined(url, [f"node{i}" for i in range(3)], tmp_path) as members:
+        for member in members:
+            assert member.read_all(paths) == digests
+        assert gets(nginx, site) == FILES, "the peers passed every block to each other over TLS"
+        assert "(mutual TLS)" in members[0].log.read_text()
+        health = f"https://127.0.0.1:{members[0].port}/v1/health"
+        with_cert = ssl.create_default_context(cafile=tls["GPUFEED_PEER_TLS_CA"])
+        with_cert.load_cert_chain(tls["GPUFEED_PEER_TLS_CERT"], tls["GPUFEED_PEER_TLS_KEY"])
+        request = urllib.request.Request(health, headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=10, context=with_cert) as response:
+            assert response.status == 200
+        without_cert = ssl.create_default_context(cafile=tls["GPUFEED_PEER_TLS_CA"])
+        with pytest.raises((ssl.SSLError, ConnectionError, urllib.error.URLError)):
+            urllib.request.urlopen(request, timeout=10, context=without_cert).read()
+        with pytest.raises((ConnectionError, urllib.error.URLError, http.client.HTTPException)):
+            urllib.request.urlopen(health.replace("https:", "http:"), timeout=10).read()
+        assert all(member.process.poll() is None for member in members), "refused clients harm no node"
 
 
 def test_the_peer_api_refuses_a_wrong_token_garbage_and_oversized_requests(cluster: tuple[str, list[Member]]) -> None:

@@ -1,6 +1,7 @@
 """Peers: a miss for a block another node owns is served by that node, from its cache or
 fetched from the store once, by it. One more `BlockSource` in the fetcher's chain, before the
-store, and the HTTP API that answers it.
+store, and the HTTP API that answers it (HTTPS with mutual TLS when the node has a certificate,
+`peer_tls`).
 
     POST /v1/block   Authorization: Bearer TOKEN, body: msgpack `PeerFetch` (one object, one block)
       200  the block's bytes; X-Gpufeed-Xxh3: their xxh3-64, which the asker checks
@@ -23,6 +24,7 @@ import hmac
 import logging
 import os
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -91,6 +93,27 @@ def load_token() -> str:
     return token
 
 
+def peer_tls(settings: Settings) -> tuple[ssl.SSLContext, ssl.SSLContext] | None:
+    """The peer API's server and client TLS contexts, or None for plain HTTP. Mutual: a node
+    serves only peers whose certificate the cluster's CA signed, and checks the certificate of
+    every peer it asks against that CA and the peer's advertised address."""
+    files = (settings.peer_tls_cert, settings.peer_tls_key, settings.peer_tls_ca)
+    if not any(files):
+        return None
+    if not all(files):
+        raise errors.InvalidArgument("peer TLS needs --peer-tls-cert, --peer-tls-key and --peer-tls-ca, all three")
+    cert, key, ca = files
+    try:
+        server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
+        server.verify_mode = ssl.CERT_REQUIRED
+        server.load_cert_chain(cert, key)
+        client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+        client.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise errors.InvalidArgument(f"peer TLS ({cert}, {key}, {ca}): {getattr(exc, 'strerror', None) or exc}") from None
+    return server, client
+
+
 class Suspects:
     """Peers skipped after a failure, each probed every PROBE_S until it answers again."""
 
@@ -119,13 +142,14 @@ class Suspects:
 
 
 class PeerProbe:
-    def __init__(self, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
+    def __init__(self, session: aiohttp.ClientSession, headers: dict[str, str], scheme: str) -> None:
         self.session = session
         self.headers = headers
+        self.scheme = scheme
 
     async def __call__(self, node: Node) -> bool:
         try:
-            async with self.session.get(f"http://{node.address}/v1/health", headers=self.headers) as response:
+            async with self.session.get(f"{self.scheme}://{node.address}/v1/health", headers=self.headers) as response:
                 return response.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False
@@ -142,19 +166,22 @@ def _peer_socket(addr: tuple[int, int, int, str, Any]) -> socket.socket:
 class PeerBlocks:
     """The owners of a block, asked in order before the store (`fetcher.BlockSource`)."""
 
-    def __init__(self, membership: Membership, replicas: int, token: str, metrics: Metrics) -> None:
+    def __init__(self, membership: Membership, replicas: int, token: str, metrics: Metrics,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.membership = membership
         self.replicas = replicas
         self.metrics = metrics
         self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/msgpack"}
+        self.tls = tls
+        self.scheme = "https" if tls is not None else "http"
         self.session: aiohttp.ClientSession | None = None
         self.suspects: Suspects | None = None
 
     def start(self) -> None:
         timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
-        connector = aiohttp.TCPConnector(limit=0, socket_factory=_peer_socket)
+        connector = aiohttp.TCPConnector(limit=0, socket_factory=_peer_socket, ssl=self.tls or True)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
-        self.suspects = Suspects(PeerProbe(self.session, self.headers))
+        self.suspects = Suspects(PeerProbe(self.session, self.headers, self.scheme))
 
     def suspected(self) -> list[str]:
         return [] if self.suspects is None else list(self.suspects.since)
@@ -204,7 +231,7 @@ class PeerBlocks:
                     job.group.credentials, job.group.mount)
         try:
             async with self.session.post(
-                f"http://{node.address}/v1/block", data=_encoder.encode(PeerFetch(one)), headers=self.headers
+                f"{self.scheme}://{node.address}/v1/block", data=_encoder.encode(PeerFetch(one)), headers=self.headers
             ) as response:
                 if response.status == 404:
                     return None
@@ -256,7 +283,7 @@ class PeerBlocks:
             groups.append(Group(first.group.source, [wanted], first.group.credentials, first.group.mount))
         try:
             async with self.session.post(
-                f"http://{node.address}/v1/warm", data=_encoder.encode(PeerWarm(groups)), headers=self.headers,
+                f"{self.scheme}://{node.address}/v1/warm", data=_encoder.encode(PeerWarm(groups)), headers=self.headers,
                 timeout=aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S, sock_read=WARM_TIMEOUT_S),
             ) as response:
                 if response.status != 200:
@@ -276,8 +303,10 @@ class PeerBlocks:
 class PeerServer:
     """The peer HTTP API of this node."""
 
-    def __init__(self, fetcher: Fetcher, dirs: tuple[Path, ...], token: str, metrics: Metrics) -> None:
+    def __init__(self, fetcher: Fetcher, dirs: tuple[Path, ...], token: str, metrics: Metrics,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.fetcher = fetcher
+        self.tls = tls
         self.dirs = dirs
         self.expected = f"Bearer {token}".encode()
         self.metrics = metrics
@@ -348,8 +377,8 @@ class PeerServer:
         app.router.add_get("/v1/health", self.health)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
-        log.info("peer API on %s:%d", host, port)
+        await web.TCPSite(self._runner, host, port, ssl_context=self.tls).start()
+        log.info("peer API on %s:%d (%s)", host, port, "mutual TLS" if self.tls else "plain HTTP")
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -374,8 +403,9 @@ class ClusterNode:
         self.bind = parse_addr(settings.peer_addr, "--peer-addr")
         me = Node(cluster_node_id(settings), f"{host}:{port}", settings.node_weight, capacity)
         self.membership = Membership(settings.cluster, me, stats)
-        self.blocks = PeerBlocks(self.membership, settings.replicas, token, metrics)
-        self.server = PeerServer(fetcher, dirs, token, metrics)
+        tls = peer_tls(settings)
+        self.blocks = PeerBlocks(self.membership, settings.replicas, token, metrics, tls[1] if tls else None)
+        self.server = PeerServer(fetcher, dirs, token, metrics, tls[0] if tls else None)
         fetcher.chain.insert(0, self.blocks)
         self._beating: asyncio.Task[None] | None = None
 
