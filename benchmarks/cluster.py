@@ -1,8 +1,10 @@
-"""N nodes read the same dataset at once, cold: each node alone against the store, then as a
-cache cluster. Needs root (network namespaces).
+"""N nodes read the same dataset at once: cold, each node alone against the store, then as a
+cache cluster; then warm, from a cluster that `gpufeed warmup --cluster` filled first. Needs
+root (network namespaces).
 
     python benchmarks/cluster.py [--nodes 1,2,3,4] [--files 320] [--size 262144]
                                  [--link-mbit 200] [--store-mbps 25] [--latency-ms 20]
+                                 [--ways alone,cluster,warm]
 
 Every node is a network namespace with its own agent and reader, joined to the host by a veth
 pair shaped with `tc tbf` (--link-mbit each way), so links, not this machine's two cores, are
@@ -14,7 +16,12 @@ node's reader reads every file once in its own shuffled order, 16 files per call
 Printed per N and way: the store's egress as a multiple of the dataset (from the agents' own
 counts of bytes read from the store), the slowest node's epoch time, the aggregate read
 throughput and its ratio to N times the one-node figure of the same way, each node's MB/s, and
-for the cluster the busiest node's peer traffic against the mean (load balance).
+for the cluster the busiest node's peer traffic against the mean (load balance), and how busy
+the machine's CPUs were during the epoch (near 100 %: the cores, not the links, set the pace).
+For `warm`
+the one-node figure is a node reading its whole dataset from its own cache (everything local),
+and the cluster warmup's own time is printed beside it: each node's reads then cross its link
+for the (N-1)/N of the blocks that other nodes own.
 """
 
 from __future__ import annotations
@@ -62,13 +69,21 @@ def node_metric(host: Host, cache: Path, pattern: str) -> float | None:
     return sum(float(value) for value in re.findall(rf"^{pattern} (\S+)$", done.stdout, re.M))
 
 
-def run(count: int, clustered: bool, args: argparse.Namespace, store_url: str, work: Path) -> dict[str, float | list[float]]:
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def run(count: int, way: str, args: argparse.Namespace, store_url: str, work: Path) -> dict[str, float | list[float]]:
+    clustered = way != "alone"
     with ExitStack() as stack:
         bridge, hosts = stack.enter_context(bridged_hosts(count, args.link_mbit))
         upstream = urlsplit(store_url)
         port = stack.enter_context(shaping((upstream.hostname or "127.0.0.1", upstream.port or 80), args.latency_ms,
                                            args.store_mbps, work / "shaper.log", bridge))
-        home = work / f"home-{count}-{int(clustered)}"
+        home = work / f"home-{count}-{way}"
         os.environ["GPUFEED_HOME"] = str(home)
         Namespace().add_mount("/data", f"http://{bridge}:{port}/data")
         redis_port = free_port()
@@ -86,7 +101,7 @@ def run(count: int, clustered: bool, args: argparse.Namespace, store_url: str, w
             if clustered:
                 argv += ["--cluster", f"redis://{bridge}:{redis_port}/0", "--peer-addr", f"{host.address}:7070",
                          "--node-id", f"node{i}"]
-            log = open(work / f"agent-{count}-{int(clustered)}-{i}.log", "wb")  # noqa: SIM115 - closed by the stack
+            log = open(work / f"agent-{count}-{way}-{i}.log", "wb")  # noqa: SIM115 - closed by the stack
             stack.callback(log.close)
             agent = subprocess.Popen(host.command(argv), stdout=log, stderr=log, env=env)
             stack.callback(agent.wait, 30)
@@ -99,6 +114,16 @@ def run(count: int, clustered: bool, args: argparse.Namespace, store_url: str, w
                 if time.monotonic() > deadline:
                     raise SystemExit(f"{host.name}'s agent did not come up: see {work}")
                 time.sleep(0.2)
+        warmup_s = 0.0
+        if way == "warm":
+            began = time.monotonic()
+            argv = [sys.executable, "-m", "gpufeed", "warmup", "/data", "--cluster", "--quiet"]
+            warmup = subprocess.run(hosts[0].command(argv), env={**env, "GPUFEED_CACHE_DIRS": str(caches[0])},
+                                    capture_output=True, text=True)
+            if warmup.returncode != 0:
+                raise SystemExit(f"the cluster warmup failed: {warmup.stderr.strip()}")
+            warmup_s = time.monotonic() - began
+        busy_before, total_before = cpu_times()
         readers = [
             subprocess.Popen(host.command([sys.executable, "-c", READER, str(args.files), str(i)]), stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "GPUFEED_CACHE_DIRS": str(cache)})
@@ -112,6 +137,7 @@ def run(count: int, clustered: bool, args: argparse.Namespace, store_url: str, w
             total, took = out.split()
             assert int(total) == args.files * args.size
             seconds.append(float(took))
+        busy_after, total_after = cpu_times()
         pairs = list(zip(hosts, caches, strict=True))
         store = sum(node_metric(h, c, r'gpufeed_miss_bytes_total\{mount="/data",tier="store"\}') or 0.0 for h, c in pairs)
         served = [node_metric(h, c, "gpufeed_peer_served_bytes_total") or 0.0 for h, c in pairs]
@@ -122,6 +148,8 @@ def run(count: int, clustered: bool, args: argparse.Namespace, store_url: str, w
         "aggregate_mbs": count * dataset / max(seconds) / 1e6,
         "node_mbs": [dataset / s / 1e6 for s in seconds],
         "load": max(served) / (sum(served) / len(served)) if clustered and sum(served) else 0.0,
+        "warmup_s": warmup_s,
+        "cpu": (busy_after - busy_before) / max(total_after - total_before, 1.0),
     }
 
 
@@ -133,6 +161,7 @@ def main() -> None:
     parser.add_argument("--link-mbit", type=float, default=200)
     parser.add_argument("--store-mbps", type=float, default=25)
     parser.add_argument("--latency-ms", type=float, default=20)
+    parser.add_argument("--ways", default="alone,cluster,warm")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("benchmarks/cluster.py needs root (network namespaces)")
@@ -147,18 +176,19 @@ def main() -> None:
             print(f"{args.files} files of {args.size:,} B ({mib:.0f} MiB); store {args.latency_ms:g} ms, "
                   f"{args.store_mbps:g} MB/s for all; each node's link {args.link_mbit:g} Mbit/s")
             print(f"{'N':>2} {'way':8} {'store egress':>13} {'slowest s':>10} {'aggregate MB/s':>15} {'vs N x 1 node':>14} "
-                  f"{'load max/mean':>14}  per node MB/s")
-            single: dict[bool, float] = {}
+                  f"{'load max/mean':>14} {'CPU busy':>9}  per node MB/s")
+            single: dict[str, float] = {}
             for count in (int(n) for n in args.nodes.split(",")):
-                for clustered in (False, True):
-                    result = run(count, clustered, args, store_url, work)
+                for way in args.ways.split(","):
+                    result = run(count, way, args, store_url, work)
                     aggregate = float(result["aggregate_mbs"])  # type: ignore[arg-type]
-                    single.setdefault(clustered, aggregate / count)
+                    single.setdefault(way, aggregate / count)
                     nodes = " ".join(f"{mbs:.1f}" for mbs in result["node_mbs"])  # type: ignore[union-attr]
-                    load = f"{result['load']:.2f}" if clustered and count > 1 else "-"
-                    print(f"{count:>2} {'cluster' if clustered else 'alone':8} {result['egress']:>12.2f}x "
-                          f"{result['slowest_s']:>10.2f} {aggregate:>15.1f} {aggregate / (count * single[clustered]):>13.2f}x "
-                          f"{load:>14}  {nodes}", flush=True)
+                    load = f"{result['load']:.2f}" if way != "alone" and count > 1 else "-"
+                    warmed = f"  (cluster warmup {result['warmup_s']:.2f} s)" if way == "warm" else ""
+                    print(f"{count:>2} {way:8} {result['egress']:>12.2f}x "
+                          f"{result['slowest_s']:>10.2f} {aggregate:>15.1f} {aggregate / (count * single[way]):>13.2f}x "
+                          f"{load:>14} {result['cpu']:>8.0%}  {nodes}{warmed}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
