@@ -18,7 +18,6 @@ import typer
 from gpufeed import warmup as warming
 from gpufeed.cli.console import err, human_bytes, out, print_json
 from gpufeed.cli.progress import Meter
-from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument
 
 
@@ -54,6 +53,8 @@ def warmup(
             raise InvalidArgument("'warmup status' takes namespace paths only, not --list or --dry-run")
         status(paths[1:])
         return
+    from gpufeed.client import Client
+
     client = Client()
     wanted = _paths(paths or [], listing)
     if dry_run:
@@ -123,6 +124,8 @@ def status(wanted: list[str]) -> None:
     for path in wanted:
         if not path.startswith("/"):
             raise InvalidArgument(f"warmup status {path}: namespace paths start with '/'")
+    from gpufeed.client import Client
+
     running = [p for p in warming.running(Client()) if _touches(p.paths, wanted)]
     if not running:
         out.print("no warmup running" + (f" under {' '.join(wanted)}" if wanted else ""), highlight=False)
