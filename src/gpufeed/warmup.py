@@ -19,10 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpufeed.namespace import FileStat
-
 if TYPE_CHECKING:
     from gpufeed.client import Client
+    from gpufeed.namespace import FileStat
 
 STATUS_INTERVAL_S = 0.5
 

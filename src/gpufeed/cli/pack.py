@@ -12,7 +12,6 @@ import typer
 from gpufeed.cli.console import human_bytes, out
 from gpufeed.cli.progress import Meter
 from gpufeed.config import parse_size
-from gpufeed.namespace import parse_options
 
 
 def pack(
@@ -29,6 +28,7 @@ def pack(
     cache. Mount DEST_URL and the files keep their paths. Interrupted, it resumes (finished
     shards are kept); over unchanged input it does nothing. (--ray is not implemented yet.)"""
     from gpufeed.client import Client
+    from gpufeed.namespace import parse_options
     from gpufeed.pack import packer
 
     started = time.monotonic()
