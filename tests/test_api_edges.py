@@ -75,13 +75,30 @@ def test_import_is_lazy() -> None:
         f"heavy = {sorted(HEAVY)!r}\n"
         "print(sorted(m for m in sys.modules if any(m == h or m.startswith(h + '.') for h in heavy)))\n"
         "gpufeed.Client, gpufeed.FeedFile, gpufeed.FileStat, gpufeed.GpufeedError\n"
-        "print('obstore' in sys.modules)\n"
+        "print('gpufeed.client.reader' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ)
     assert result.returncode == 0, result.stderr
     loaded, client_loaded = result.stdout.split("\n")[:2]
     assert loaded == "[]"
     assert client_loaded == "True", "the lazy names still resolve to the real classes"
+
+
+def test_the_cli_and_the_agent_load_only_what_a_command_needs() -> None:
+    """Building every command's help and the agent's service loads no store client, numpy or
+    redis: each is imported by the command, the URL scheme or the cluster that uses it."""
+    store_heavy = ["aiohttp", "numpy", "obstore", "prometheus_client.parser", "redis"]
+    code = (
+        "import sys, typer\n"
+        "from gpufeed.cli.main import app\n"
+        "typer.main.get_command(app)\n"
+        "import gpufeed.agent.__main__, gpufeed.agent.service\n"
+        f"heavy = {store_heavy!r}\n"
+        "print(sorted(m for m in sys.modules if any(m == h or m.startswith(h + '.') for h in heavy)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_unknown_attribute_is_an_attribute_error() -> None:

@@ -14,11 +14,14 @@ import hashlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from gpufeed.client import Client
 from gpufeed.errors import ObjectCorrupted
-from gpufeed.namespace import FileStat
 from gpufeed.sources.base import ObjectInfo
+
+if TYPE_CHECKING:
+    from gpufeed.client import Client
+    from gpufeed.namespace import FileStat
 
 BATCH_BYTES = 64 << 20
 BATCH_FILES = 256

@@ -17,9 +17,11 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gpufeed.client import Client
-from gpufeed.namespace import FileStat
+if TYPE_CHECKING:
+    from gpufeed.client import Client
+    from gpufeed.namespace import FileStat
 
 STATUS_INTERVAL_S = 0.5
 

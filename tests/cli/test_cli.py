@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import Bucket, free_port
 
 
@@ -94,8 +92,12 @@ def test_errors_are_one_line_with_exit_codes(dataset: Path, bucket: Bucket, moto
     assert "unsupported URL scheme 'ftp'" in fails(2, "mount", "add", "/f", "ftp://host/x")
     assert "--opt 'endpoint': expected key=value" in fails(2, "mount", "add", "/b", "s3://b", "--opt", "endpoint")
     assert "overlaps the mount /data" in fails(1, "mount", "add", "/data/sub", f"file://{dataset}")
-    # -q: retrying an unreachable store takes longer than a progress interval, and a progress line is not an error
-    unreachable = fails(1, "mount", "add", "/u", "s3://b", "-o", f"endpoint=http://127.0.0.1:{free_port()}", "-q")
+    # -q: retrying an unreachable store takes longer than a progress interval, and a progress line is not an error;
+    # how long the retries last is not what is checked here, so this command gets a short retry budget
+    unreachable = fails(
+        1, "mount", "add", "/u", "s3://b", "-o", f"endpoint=http://127.0.0.1:{free_port()}", "-q",
+        env={"GPUFEED_RETRY_TIMEOUT": "0.5"},
+    )
     assert "cannot reach the store" in unreachable and "s3://b (endpoint http://127.0.0.1:" in unreachable
     assert "InvalidAccessKeyId" in fails(1, "mount", "add", "/a", "s3://b", "-o", f"endpoint={moto_auth_endpoint}")
     assert "/nope: no such mount" in fails(1, "mount", "rm", "/nope")
@@ -110,11 +112,6 @@ def test_debug_shows_the_traceback() -> None:
     assert result.returncode == 1
     assert "Traceback" in result.stderr and "PathNotFound" in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("gpufeed: error: /nowhere/x")
-
-
-@pytest.mark.parametrize("args", [["--help"], ["mount", "--help"], ["ls", "--help"]])
-def test_help(args: list[str]) -> None:
-    assert "Usage" in ok(*args)
 
 
 def test_secrets_never_reach_the_screen() -> None:

@@ -17,7 +17,7 @@ from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
 from gpufeed.namespace import Namespace
 from gpufeed.sources import open_source
-from gpufeed.sources.stores import caller_credentials
+from gpufeed.sources.credentials import caller_credentials
 from tests.conftest import Bucket
 
 

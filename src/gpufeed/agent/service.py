@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 
@@ -31,7 +31,6 @@ from gpufeed.agent.fetcher import Fetcher
 from gpufeed.agent.manager import AgentConfig, CacheManager
 from gpufeed.agent.metrics import OTHER, Metrics
 from gpufeed.agent.mounts import MountCoverage
-from gpufeed.agent.peers import ClusterNode
 from gpufeed.agent.sessions import Sessions
 from gpufeed.agent.writer import StagedBlocks, Uploads
 from gpufeed.config import Settings, parse_addr
@@ -64,6 +63,9 @@ from gpufeed.rpc.messages import (
     UsageInfo,
 )
 from gpufeed.rpc.messages import Metrics as MetricsRequest
+
+if TYPE_CHECKING:
+    from gpufeed.agent.peers import ClusterNode
 
 log = logging.getLogger("gpufeed.agent")
 
@@ -116,11 +118,13 @@ class Agent:
         self.connections = 0
         self.last_activity = time.monotonic()
         self._stop: asyncio.Event | None = None
-        self.cluster = (
-            ClusterNode(settings, self.fetcher, config.dirs, self.metrics, self.manager.limit(), self._cluster_stats)
-            if settings.cluster
-            else None
-        )
+        self.cluster: ClusterNode | None = None
+        if settings.cluster:
+            from gpufeed.agent.peers import ClusterNode  # aiohttp and redis: only a cluster member loads them
+
+            self.cluster = ClusterNode(
+                settings, self.fetcher, config.dirs, self.metrics, self.manager.limit(), self._cluster_stats
+            )
         self.uploads = Uploads(settings, config.primary, self.manager, self.metrics)
         self.fetcher.chain.insert(0, StagedBlocks(self.uploads))  # a write not uploaded yet is read from here
         self.coverage = MountCoverage(settings, config.dirs)

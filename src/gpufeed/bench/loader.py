@@ -55,10 +55,15 @@ def _context() -> ForkServerContext | SpawnContext:
     """forkserver: workers fork from a clean server that imported this module once, so they
     start fast and inherit no threads or store clients from the benchmark process. Each
     child re-runs the main script (multiprocessing's main-module fixup); for the `gpufeed`
-    command that imports the CLI, so the server preloads it too and the re-run is free."""
+    command that imports the CLI, so the server preloads it too and the re-run is free. The
+    reader and the store modules it reads through are preloaded as well: the CLI imports them
+    only when a command reads, and a worker importing them in its first batch would count
+    the import as that batch's read latency."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([__name__, "gpufeed.cli.main"])
+        context.set_forkserver_preload(
+            [__name__, "gpufeed.cli.main", "gpufeed.client.reader", "gpufeed.sources.stores", "gpufeed.sources.http"]
+        )
         return context
     return multiprocessing.get_context("spawn")
 

@@ -19,16 +19,14 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import unquote, urlsplit
 
-from gpufeed.client import Client, ObjectHandle
-from gpufeed.client.connection import stop_agent
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
-from gpufeed.prefetch import Prefetcher, Read
 
-if TYPE_CHECKING:  # annotations only: `gpufeed bench --help` reads MODES without importing numpy
+if TYPE_CHECKING:  # annotations only: `gpufeed bench --help` reads MODES without importing numpy or the reader
     import numpy as np
 
     from gpufeed.bench.dataset import Dataset
+    from gpufeed.client import Client, ObjectHandle
 
 NO_CACHE = MappingProxyType({"cache": "off"})
 """Mount option of the modes that must read the source itself, never the node cache."""
@@ -104,6 +102,8 @@ class NamespaceReaderSpec:
     one_by_one: bool = False
 
     def open(self, max_record: int) -> NamespaceReader:
+        from gpufeed.client import Client
+
         return NamespaceReader(Client(self.settings), self.paths, self.one_by_one)
 
 
@@ -219,6 +219,8 @@ def copy_dataset(client: Client, dataset: Dataset, target: Path) -> tuple[str, .
 def _local(run: RunContext) -> Iterator[Prepared]:
     """The files of a file:// source read where they lie: what a job with the dataset on its
     own disk gets, the baseline the other modes are measured against."""
+    from gpufeed.client import Client
+
     client = Client(run.settings)
     try:
         local = []
@@ -235,6 +237,8 @@ def _local(run: RunContext) -> Iterator[Prepared]:
 
 @contextmanager
 def _copy(run: RunContext) -> Iterator[Prepared]:
+    from gpufeed.client import Client
+
     target = run.workdir / "copy"
     client = Client(run.settings)
     try:
@@ -258,6 +262,10 @@ def _cached(run: RunContext) -> Iterator[Prepared]:
     epochs are warm. The agent is started first, as a node's agent runs before a job does: its
     start-up is not the cold epoch's. The run's private agent is stopped before its cache dir
     is removed."""
+    from gpufeed.client import Client
+    from gpufeed.client.connection import stop_agent
+    from gpufeed.prefetch import Prefetcher, Read
+
     client = Client(run.settings)
     prefetcher = Prefetcher(client)
     dataset = run.dataset
@@ -291,6 +299,8 @@ def _fuse(run: RunContext) -> Iterator[Prepared]:
     workers open and pread files at the mountpoint as a script that knows nothing of gpufeed
     does. With the mount's cache off (`fuse-direct`) it is a plain FUSE view of the store:
     seed 003's comparison of a FUSE mount of the remote against the cached mount."""
+    from gpufeed.client import Client
+    from gpufeed.client.connection import stop_agent
     from gpufeed.integrations import fuse_mounts
 
     client = Client(run.settings)

@@ -8,15 +8,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from gpufeed.cli.console import human_bytes, out
-from gpufeed.client.connection import AgentClient, connect, stop_agent
 from gpufeed.config import Settings, parse_addr, parse_log_format, parse_size, with_cluster_flags
 from gpufeed.errors import GpufeedError
-from gpufeed.rpc.messages import AgentInfo
+
+if TYPE_CHECKING:
+    from gpufeed.rpc.messages import AgentInfo
 
 app = typer.Typer(help="The node agent that owns the cache dir.", invoke_without_command=True)
 
@@ -154,6 +155,8 @@ def start(
     """Start a background agent (no idle timeout) unless one is running; fails when one runs
     with another quota or other dirs than --cache-size/--cache-dir ask for. A running agent
     keeps the metrics address and log format it started with."""
+    from gpufeed.client.connection import AgentClient, connect
+
     joins = _cluster(cluster, peer_addr, advertise, replicas, weight)
     asked = _asked(ctx, cache_dir, cache_size, metrics_addr, log_format, joins)
     settings = asked.settings()
@@ -177,6 +180,8 @@ def start(
 @app.command()
 def stop(ctx: typer.Context, cache_dir: list[Path] = DirsOption) -> None:
     """Stop the agent for the cache dir; readers fall back or start a new one on demand."""
+    from gpufeed.client.connection import stop_agent
+
     settings = _asked(ctx, cache_dir).settings()
     pid = stop_agent(settings)
     primary = settings.cache_dirs[0]
@@ -186,6 +191,8 @@ def stop(ctx: typer.Context, cache_dir: list[Path] = DirsOption) -> None:
 @app.command()
 def status(ctx: typer.Context, cache_dir: list[Path] = DirsOption) -> None:
     """Show the running agent (exit 1 when none runs)."""
+    from gpufeed.client.connection import AgentClient, connect
+
     settings = _asked(ctx, cache_dir).settings()
     primary = settings.cache_dirs[0]
     if (sock := connect(primary)) is None:

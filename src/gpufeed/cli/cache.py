@@ -6,8 +6,6 @@ import typer
 from rich.table import Table
 
 from gpufeed.cli.console import human_bytes, out
-from gpufeed.client import Client
-from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
 
 app = typer.Typer(help="Inspect and manage the node cache.", no_args_is_help=True)
@@ -16,6 +14,8 @@ app = typer.Typer(help="Inspect and manage the node cache.", no_args_is_help=Tru
 @app.command()
 def stats() -> None:
     """Size, blocks, hits, misses, bytes fetched and repairs (starts the agent if needed)."""
+    from gpufeed.client import Client
+
     client = Client()
     info = client.agent.stats()
     table = Table(box=None, show_header=False)
@@ -39,6 +39,8 @@ def stats() -> None:
 @app.command()
 def clear() -> None:
     """Drop every cached block (sources are untouched)."""
+    from gpufeed.client.connection import AgentClient
+
     removed = AgentClient(Settings.from_env()).clear()
     out.print(f"cleared {human_bytes(removed)}", highlight=False)
 
@@ -46,6 +48,8 @@ def clear() -> None:
 @app.command("ls")
 def ls(path: str = typer.Argument("/", help="Namespace path.")) -> None:
     """How much of each file under PATH is cached."""
+    from gpufeed.client import Client
+
     files = total = cached = 0
     for item, present in Client().cached_bytes(path):
         files += 1

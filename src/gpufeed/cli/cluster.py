@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import typer
-from redis.exceptions import RedisError
 from rich.table import Table
 
 from gpufeed.cli.console import human_bytes, out, print_json
@@ -22,6 +19,10 @@ def status(
 ) -> None:
     """Nodes, addresses, cache use, hit ratio and each node's share of the cluster's store and
     peer traffic (exit 1 when no node is live)."""
+    import asyncio
+
+    from redis.exceptions import RedisError
+
     from gpufeed.cluster.membership import status as members
 
     url = cluster or Settings.from_env().cluster

@@ -5,13 +5,22 @@ Plain lines (no rich markup) so the output pipes into other tools."""
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import typer
 
 from gpufeed.cli.console import human_bytes, when
-from gpufeed.client import Client
+
+if TYPE_CHECKING:
+    from gpufeed.client import Client
 
 CAT_CHUNK = 8 << 20
+
+
+def _client() -> Client:
+    from gpufeed.client import Client  # the reader is loaded by a command that reads, not by `--help`
+
+    return Client()
 
 
 def ls(
@@ -19,7 +28,7 @@ def ls(
     long: bool = typer.Option(False, "-l", "--long", help="Show size, modification time and version."),
 ) -> None:
     """List a directory (from the manifest; the source is not contacted)."""
-    for item in Client().ls(path):
+    for item in _client().ls(path):
         name = item.path.rsplit("/", 1)[-1] + ("/" if item.is_dir else "")
         if long:
             size = "-" if item.is_dir else str(item.size)
@@ -30,7 +39,7 @@ def ls(
 
 def stat(path: str = typer.Argument(..., help="Namespace path.")) -> None:
     """Show size, type, modification time and version."""
-    item = Client().stat(path)
+    item = _client().stat(path)
     typer.echo(f"path:     {item.path}")
     typer.echo(f"type:     {'directory' if item.is_dir else 'file'}")
     if not item.is_dir:
@@ -41,7 +50,7 @@ def stat(path: str = typer.Argument(..., help="Namespace path.")) -> None:
 
 def cat(path: str = typer.Argument(..., help="Namespace path of a file.")) -> None:
     """Write a file's bytes to standard output."""
-    with Client().open(path) as f:
+    with _client().open(path) as f:
         sink = sys.stdout.buffer
         while chunk := f.read(CAT_CHUNK):
             sink.write(chunk)
@@ -51,7 +60,7 @@ def cat(path: str = typer.Argument(..., help="Namespace path of a file.")) -> No
 def du(path: str = typer.Argument("/", help="Namespace path.")) -> None:
     """Total size and file count under a path."""
     files = total = 0
-    for item in Client().walk(path):
+    for item in _client().walk(path):
         files += 1
         total += item.size
     typer.echo(f"{total}\t{human_bytes(total)}\t{files} files\t{path}")

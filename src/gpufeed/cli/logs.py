@@ -9,7 +9,6 @@ import time
 
 import typer
 
-from gpufeed import logs
 from gpufeed.errors import InvalidArgument
 
 app = typer.Typer(help="Read and recover inference logs (gpufeed.logs.Appender).", no_args_is_help=True)
@@ -27,6 +26,8 @@ def tail(
     The open segment of a running appender shows once it is committed (its max_seconds at the
     latest). A read-only mount is fine: tail only reads. With --follow, a segment committed late
     (one recovered from a dead appender) is printed when it appears, after newer ones."""
+    from gpufeed import logs
+
     if lines < 0 or interval <= 0:
         raise InvalidArgument(f"logs tail: -n must be >= 0 and --interval > 0, got {lines} and {interval}")
     sink = sys.stdout.buffer
@@ -53,5 +54,7 @@ def tail(
 def recover(path: str = typer.Argument(..., help="Log directory (the Appender's path).")) -> None:
     """Commit the segments this node's dead appenders of PATH left in their write-ahead logs
     (a new Appender for PATH does it too)."""
+    from gpufeed import logs
+
     count = logs.recover(path)
     typer.echo(f"recovered {path}: {count} segment(s) committed")

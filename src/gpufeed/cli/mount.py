@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from gpufeed.cli.console import human_bytes, out, print_json, when
 from gpufeed.cli.progress import Meter
-from gpufeed.meta import Mount
-from gpufeed.meta.manifest import ManifestStats
-from gpufeed.namespace import Namespace, parse_options
+
+if TYPE_CHECKING:  # the namespace and its engines are imported by the command that runs
+    from gpufeed.meta import Mount
+    from gpufeed.meta.manifest import ManifestStats
 
 app = typer.Typer(help="Mount stores into the namespace and manage their manifests.", no_args_is_help=True)
 
@@ -63,6 +64,8 @@ def add(
     as_json: bool = typer.Option(False, "--json", help="Print the mount and its counts as one JSON object."),
 ) -> None:
     """List a source once into a manifest and mount it."""
+    from gpufeed.namespace import Namespace, parse_options
+
     options = parse_options(opt)
     if listing is not None:
         options["list"] = listing
@@ -99,6 +102,8 @@ def _record(m: Mount) -> dict[str, Any]:
 @app.command("ls")
 def ls(as_json: bool = typer.Option(False, "--json", help="One JSON array of mount records.")) -> None:
     """Show every mount, every value in full (one field per line, never cut to the terminal)."""
+    from gpufeed.namespace import Namespace
+
     records = [_record(m) for m in Namespace().mounts()]
     if as_json:
         print_json(records, indent=2)
@@ -118,6 +123,8 @@ def ls(as_json: bool = typer.Option(False, "--json", help="One JSON array of mou
 @app.command("rm")
 def rm(nspath: str = typer.Argument(..., help="Mount path to remove.")) -> None:
     """Unmount a path and drop its manifest (the source is untouched)."""
+    from gpufeed.namespace import Namespace
+
     mount = Namespace().remove_mount(nspath)
     out.print(f"removed mount {mount.path} ({mount.url})", highlight=False)
 
@@ -128,6 +135,8 @@ def refresh(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr; errors still print."),
 ) -> None:
     """Re-list the source and switch to the new manifest atomically."""
+    from gpufeed.namespace import Namespace
+
     with Meter("mount refresh: listed", quiet=quiet, unit="objects", listing=True) as meter:
         mount, stats = Namespace().refresh(nspath, lambda s: meter.update(s.files, s.bytes))
     out.print(

@@ -11,10 +11,7 @@ import typer
 
 from gpufeed.cli.console import human_bytes, out
 from gpufeed.cli.progress import Meter
-from gpufeed.client import Client
 from gpufeed.config import parse_size
-from gpufeed.namespace import parse_options
-from gpufeed.pack import packer
 
 
 def pack(
@@ -30,6 +27,10 @@ def pack(
     """Pack every file under NSPATH into shards plus an index at DEST_URL, reading through the
     cache. Mount DEST_URL and the files keep their paths. Interrupted, it resumes (finished
     shards are kept); over unchanged input it does nothing. (--ray is not implemented yet.)"""
+    from gpufeed.client import Client
+    from gpufeed.namespace import parse_options
+    from gpufeed.pack import packer
+
     started = time.monotonic()
     client = Client()
     job = packer.prepare(

@@ -7,13 +7,14 @@ import time
 import typer
 
 from gpufeed.cli.console import out
-from gpufeed.client import Client
 
 
 def sync(path: str = typer.Argument("/", help="Namespace path whose writes to wait for (default: all).")) -> None:
     """Wait for the uploads of every file this node wrote under PATH (`gpufeed.open(p, "wb")`,
     fsspec, checkpoints). Exits 1 naming an upload that keeps failing; its bytes stay staged and
     its upload is retried."""
+    from gpufeed.client import Client
+
     started = time.monotonic()
     count = Client().sync(path)
     out.print(f"synced {path}: {count} upload(s) waited for in {time.monotonic() - started:.1f} s", highlight=False)

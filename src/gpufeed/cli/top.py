@@ -13,21 +13,21 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import typer
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Group
-from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from gpufeed.cli.console import human_bytes, out, print_json
 from gpufeed.cli.metrics import running_agent
-from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
 from gpufeed.rpc.messages import Metrics, MetricsText, MountUsage, ReaderUsage, Usage, UsageInfo
+
+if TYPE_CHECKING:
+    from gpufeed.client.connection import AgentClient
 
 TOP_READERS = 10
 MB = 1e6
@@ -172,6 +172,8 @@ def top(
     before = _usage(agent)
     try:
         if out.is_terminal and not (once or as_json):
+            from rich.live import Live
+
             with Live(console=out, auto_refresh=False) as live:
                 while True:
                     time.sleep(interval)
@@ -196,6 +198,8 @@ def top(
 def _usage(agent: AgentClient) -> Count:
     """The agent's counts now. Its metrics are asked first, so the peer bytes never exceed the
     fetched bytes in the usage counted just after."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = agent.request(Metrics(), MetricsText, start=False).text
     peer = {
         sample.labels["mount"]: int(sample.value)

@@ -10,7 +10,6 @@ import typer
 from gpufeed import verify as verifying
 from gpufeed.cli.console import err, human_bytes, out, print_json
 from gpufeed.cli.progress import Meter
-from gpufeed.client import Client
 
 
 def verify(
@@ -21,6 +20,8 @@ def verify(
     """Hash every file under NSPATH through the read path (sha256, or the algorithm of a hash
     the manifest has). Records the hash where the manifest has none; where it has one, prints
     each mismatch (path and both hashes) and exits 1."""
+    from gpufeed.client import Client
+
     client = Client()
     client.namespace.engine.check_writable()
     target = verifying.listed(client, nspath)

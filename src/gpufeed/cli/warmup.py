@@ -18,7 +18,6 @@ import typer
 from gpufeed import warmup as warming
 from gpufeed.cli.console import err, human_bytes, out, print_json
 from gpufeed.cli.progress import Meter
-from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument
 
 
@@ -61,6 +60,8 @@ def warmup(
         return
     if dry_run and cluster:
         raise InvalidArgument("--dry-run shows this node's cache: it does not combine with --cluster")
+    from gpufeed.client import Client
+
     client = Client()
     wanted = _paths(paths or [], listing)
     if dry_run:
@@ -132,6 +133,8 @@ def status(wanted: list[str]) -> None:
     for path in wanted:
         if not path.startswith("/"):
             raise InvalidArgument(f"warmup status {path}: namespace paths start with '/'")
+    from gpufeed.client import Client
+
     running = [p for p in warming.running(Client()) if _touches(p.paths, wanted)]
     if not running:
         out.print("no warmup running" + (f" under {' '.join(wanted)}" if wanted else ""), highlight=False)

@@ -49,7 +49,7 @@ from gpufeed.rpc.messages import (
     Synced,
 )
 from gpufeed.sources import ObjectInfo, Source
-from gpufeed.sources.stores import caller_credentials
+from gpufeed.sources.credentials import caller_credentials
 
 log = logging.getLogger("gpufeed")
 T = TypeVar("T")

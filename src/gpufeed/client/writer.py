@@ -21,7 +21,7 @@ from gpufeed.cache.layout import writer_file
 from gpufeed.errors import WriteError
 from gpufeed.namespace import source_options
 from gpufeed.rpc.messages import Commit, Committed, Credentials, SourceSpec
-from gpufeed.sources.stores import caller_credentials
+from gpufeed.sources.credentials import caller_credentials
 
 if TYPE_CHECKING:
     from gpufeed.client.reader import Client

@@ -1,40 +1,58 @@
-"""Sources: one module per store kind behind the `Source` protocol; `open_source` picks one by URL."""
+"""Sources: one module per store kind behind the `Source` protocol; `open_source` picks one by URL.
+
+A scheme names the module and function that build its source; the module is imported the
+first time its scheme is opened, so naming a block or an object (`gpufeed.sources.base`)
+loads no store client (obstore, aiohttp).
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import SplitResult, urlsplit
 
-from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
 from gpufeed.sources.base import ObjectInfo, Source
-from gpufeed.sources.http import http_source
-from gpufeed.sources.stores import azure_source, gcs_source, local_source, s3_source
 
-Builder = Callable[[str, SplitResult, dict[str, str], Settings], Source]
+if TYPE_CHECKING:
+    from gpufeed.config import Settings
 
-BUILDERS: dict[str, Builder] = {
-    "file": local_source,
-    "s3": s3_source,
-    "s3a": s3_source,
-    "gs": gcs_source,
-    "gcs": gcs_source,
-    "az": azure_source,
-    "azure": azure_source,
-    "abfs": azure_source,
-    "http": http_source,
-    "https": http_source,
+Builder = Callable[[str, SplitResult, dict[str, str], "Settings"], Source]
+
+BUILDERS: dict[str, tuple[str, str]] = {
+    "file": ("gpufeed.sources.stores", "local_source"),
+    "s3": ("gpufeed.sources.stores", "s3_source"),
+    "s3a": ("gpufeed.sources.stores", "s3_source"),
+    "gs": ("gpufeed.sources.stores", "gcs_source"),
+    "gcs": ("gpufeed.sources.stores", "gcs_source"),
+    "az": ("gpufeed.sources.stores", "azure_source"),
+    "azure": ("gpufeed.sources.stores", "azure_source"),
+    "abfs": ("gpufeed.sources.stores", "azure_source"),
+    "http": ("gpufeed.sources.http", "http_source"),
+    "https": ("gpufeed.sources.http", "http_source"),
 }
+"""URL scheme -> (module, builder function in it)."""
+
+
+def builder(scheme: str) -> Builder | None:
+    """The function that builds a source for `scheme`, importing its module; None if unknown."""
+    where = BUILDERS.get(scheme.lower())
+    if where is None:
+        return None
+    module, name = where
+    found: Builder = getattr(importlib.import_module(module), name)
+    return found
 
 
 def open_source(url: str, options: dict[str, str], settings: Settings) -> Source:
     """Build the source for `url`; raises InvalidArgument for a URL or option it cannot use."""
     parts = urlsplit(url)
-    builder = BUILDERS.get(parts.scheme.lower())
-    if builder is None:
+    build = builder(parts.scheme)
+    if build is None:
         known = ", ".join(sorted({"file", "s3", "gs", "az", "http", "https"}))
         raise InvalidArgument(f"{url}: unsupported URL scheme {parts.scheme!r} (supported: {known})")
-    return builder(url, parts, options, settings)
+    return build(url, parts, options, settings)
 
 
 __all__ = ["ObjectInfo", "Source", "open_source"]
