@@ -3,15 +3,18 @@ resumed by the next agent; a 503 and connection-reset mix still lands every obje
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
+import threading
 import time
 
 import gpufeed
 from gpufeed.bench.faults import FaultControl
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
+from gpufeed.errors import GpufeedError
 from gpufeed.namespace import Namespace
 from tests.conftest import Bucket
 
@@ -69,3 +72,29 @@ def test_a_503_and_reset_mix_still_lands_every_object_whole(bucket: Bucket, moto
     assert injected.get("503", 0) + injected.get("reset", 0) > 0, injected
     for key, body in bodies.items():
         assert hashlib.sha256(stored(bucket, key)).digest() == hashlib.sha256(body).digest(), key
+
+
+def test_a_removal_cut_by_kill_9_leaves_no_listed_object_the_store_lacks(bucket: Bucket, moto_faults: FaultControl) -> None:
+    """The manifest forgets an object before the store deletes it: an agent killed in between
+    leaves an unlisted object in the store, never a listed one that reads fail on."""
+    writable_through(moto_faults, bucket)
+    bodies = {"keep/a.bin": os.urandom(50_000), "gone/b.bin": os.urandom(60_000)}
+    for key, body in bodies.items():
+        gpufeed.write(f"/out/{key}", body, sync=True)
+    moto_faults.configure(rates={"stall": 1.0}, stall=60.0, path_filter="delete")  # the store's delete (POST ?delete) hangs
+
+    def remove() -> None:
+        with contextlib.suppress(GpufeedError):  # its agent is killed under it
+            gpufeed.remove("/out/gone/b.bin")
+
+    threading.Thread(target=remove, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not moto_faults.counts()["events"]:
+        assert time.monotonic() < deadline, "the removal never reached the store"
+        time.sleep(0.05)
+    killed(AgentClient(Settings.from_env()).hello().pid)
+    moto_faults.configure(rates={})
+    gpufeed._default = None
+    listed = [item.path for item in gpufeed.walk("/out")]
+    assert listed == ["/out/keep/a.bin"], "the removal under way is not listed"
+    assert stored(bucket, "keep/a.bin") == gpufeed.read("/out/keep/a.bin") == bodies["keep/a.bin"]

@@ -144,8 +144,10 @@ class Uploads:
         if upload is not None:
             self._drop(upload)
         source = open_source(request.source.url, {**request.source.options, **request.credentials.values}, self.settings)
-        await source.delete_async(request.key)  # type: ignore[attr-defined]
+        # the manifest first: an agent killed in between leaves an object nobody lists (a later
+        # removal or refresh settles it), never a listed object the store no longer holds
         await asyncio.to_thread(self._forget, request.mount, request.key)
+        await source.delete_async(request.key)  # type: ignore[attr-defined]
 
     # -- reads of staged bytes ------------------------------------------------------------
 
