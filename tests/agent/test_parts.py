@@ -35,6 +35,9 @@ class CountingStore:
         await asyncio.sleep(0.01)  # let every other wanter arrive while this read is in flight
         return memoryview(self.data[start:end])
 
+    def only_blocks(self, job: Job) -> bool:
+        return False
+
 
 def parts(tmp_path: Path) -> tuple[Fetcher, CacheManager, Metrics]:
     config = AgentConfig((tmp_path / "cache",), 1 << 30, 0.0, None)
