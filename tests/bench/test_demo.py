@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -41,6 +42,19 @@ def _descendants(root: int) -> set[int]:
         frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
         found |= frontier
     return found
+
+
+def _holders(pipe: IO[str]) -> list[str]:
+    """The processes that hold `pipe`'s other end open, by command line."""
+    wanted = f"pipe:[{os.fstat(pipe.fileno()).st_ino}]"
+    holders = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == wanted for fd in fd_dir.iterdir()) and int(fd_dir.parent.name) != os.getpid():
+                holders.append(f"{fd_dir.parent.name}: {_cmdline(int(fd_dir.parent.name))}")
+        except OSError:
+            continue
+    return holders
 
 
 def _cmdline(pid: int) -> str:
@@ -138,7 +152,10 @@ def test_interrupt_stops_servers_workers_and_removes_temp_files(
             time.sleep(0.1)
         assert "nginx" in names and "gpufeed.bench.shaper" in names and names.count("forkserver") > workers, names
         interrupt(process)
-        _, stderr = process.communicate(timeout=30)
+        try:
+            _, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"exit code {process.poll()}; still holding its stderr: {_holders(process.stderr)}") from None
     finally:
         if process.poll() is None:
             process.kill()
