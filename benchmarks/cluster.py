@@ -50,10 +50,11 @@ READER = """
 import random, sys, time, gpufeed
 paths = [f"/data/{i:05d}.bin" for i in range(int(sys.argv[1]))]
 random.Random(int(sys.argv[2])).shuffle(paths)
+worker, workers = int(sys.argv[3]), int(sys.argv[4])
 client = gpufeed.client()
 began = time.monotonic()
 total = 0
-for i in range(0, len(paths), 16):
+for i in range(16 * worker, len(paths), 16 * workers):
     total += sum(len(view) for view in client.read_files(paths[i:i + 16]))
 print(total, time.monotonic() - began)
 """
@@ -125,18 +126,22 @@ def run(count: int, way: str, args: argparse.Namespace, store_url: str, work: Pa
             warmup_s = time.monotonic() - began
         busy_before, total_before = cpu_times()
         readers = [
-            subprocess.Popen(host.command([sys.executable, "-c", READER, str(args.files), str(i)]), stdout=subprocess.PIPE,
-                             text=True, env={**os.environ, "GPUFEED_CACHE_DIRS": str(cache)})
+            [subprocess.Popen(host.command([sys.executable, "-c", READER, str(args.files), str(i), str(w), str(args.workers)]),
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "GPUFEED_CACHE_DIRS": str(cache)})
+             for w in range(args.workers)]
             for i, (host, cache) in enumerate(zip(hosts, caches, strict=True))
         ]
         seconds = []
-        for reader in readers:
-            out, _ = reader.communicate(timeout=600)
-            if reader.returncode != 0:
-                raise SystemExit(f"a reader failed: see {work}")
-            total, took = out.split()
-            assert int(total) == args.files * args.size
-            seconds.append(float(took))
+        for workers in readers:  # a node's epoch ends with its last worker
+            total = took = 0.0
+            for reader in workers:
+                out, _ = reader.communicate(timeout=600)
+                if reader.returncode != 0:
+                    raise SystemExit(f"a reader failed: see {work}")
+                total += int(out.split()[0])
+                took = max(took, float(out.split()[1]))
+            assert total == args.files * args.size
+            seconds.append(took)
         busy_after, total_after = cpu_times()
         pairs = list(zip(hosts, caches, strict=True))
         store = sum(node_metric(h, c, r'gpufeed_miss_bytes_total\{mount="/data",tier="store"\}') or 0.0 for h, c in pairs)
@@ -162,6 +167,7 @@ def main() -> None:
     parser.add_argument("--store-mbps", type=float, default=25)
     parser.add_argument("--latency-ms", type=float, default=20)
     parser.add_argument("--ways", default="alone,cluster,warm")
+    parser.add_argument("--workers", type=int, default=1, help="readers per node, taking batches in turn (DataLoader workers)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("benchmarks/cluster.py needs root (network namespaces)")
