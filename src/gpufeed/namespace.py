@@ -101,7 +101,6 @@ class CachePolicy:
     enabled: bool
     block_size: int
     verify: bool
-    owner_only: bool = False
 
     @classmethod
     def of(cls, mount: Mount, settings: Settings) -> CachePolicy:
@@ -116,7 +115,12 @@ class CachePolicy:
         copies = options.get("copies", "local")
         if copies not in ("local", "owner-only"):
             raise InvalidArgument(f"{mount.path}: option copies={copies!r}: expected local or owner-only")
-        return cls(cache == "on", block_size, verify, copies == "owner-only")
+        return cls(cache == "on", block_size, verify)
+
+
+def owner_only(mount: Mount) -> bool:
+    """Whether blocks other cluster nodes own are kept as copies evicted first (`copies=owner-only`)."""
+    return mount.options.get("copies") == "owner-only"
 
 
 def is_writable(mount: Mount) -> bool:

@@ -32,7 +32,7 @@ from gpufeed.client.writer import FeedWriter
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing, WriteError, from_code
 from gpufeed.meta import Mount
-from gpufeed.namespace import CachePolicy, FileStat, Namespace, is_writable, source_options
+from gpufeed.namespace import CachePolicy, FileStat, Namespace, is_writable, owner_only, source_options
 from gpufeed.rpc.messages import (
     Cancel,
     Credentials,
@@ -499,8 +499,7 @@ class Client:
             key = (mount.url, repr(sorted(options.items())), mount.path)
             if key not in groups:
                 credentials = Credentials(caller_credentials(mount.url, options))
-                owner_only = mount.options.get("copies") == "owner-only"
-                groups[key] = (Group(SourceSpec(mount.url, options), [], credentials, mount.path, owner_only), [])
+                groups[key] = (Group(SourceSpec(mount.url, options), [], credentials, mount.path, owner_only(mount)), [])
             group, members = groups[key]
             members.append(handle)
             group.objects.append(ObjectWant(info, not mount.immutable, handle.blocks.block_size, blocks, repair))
