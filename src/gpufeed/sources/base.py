@@ -65,6 +65,10 @@ class Source(Protocol):
     was built (an endpoint, a profile) is written out, and paths are absolute, so the agent and
     every client reach the same store."""
 
+    local: bool
+    """A directory on this machine: a synchronous read is a page-cache read, cheaper in the
+    caller's thread than handed to another thread or kept in flight."""
+
     def list(self) -> Iterator[list[ObjectInfo]]:
         """Every object under the root, in batches, streamed so memory stays bounded; a listing
         that breaks off is resumed and retried, never repeating or dropping an object."""

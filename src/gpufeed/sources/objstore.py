@@ -103,6 +103,7 @@ class ObstoreSource:
         self.options = dict(options or {})
         self.kind = kind
         self.etag_is_md5 = kind == "s3"
+        self.local = kind == "file"
         timeout = (settings or Settings.from_env()).retry_timeout
         self.retry = retry.RetryPolicy(self.where(), timeout, attempts=1 if kind == "file" else 5)
 

@@ -19,6 +19,7 @@ from obstore.store import AzureStore, GCSStore, LocalStore, S3Store
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument, PathNotFound
 from gpufeed.sources.base import parse_bool
+from gpufeed.sources.local import LocalSource
 from gpufeed.sources.objstore import ObstoreSource
 
 if TYPE_CHECKING:
@@ -95,7 +96,11 @@ def local_source(url: str, parts: SplitResult, options: dict[str, str], settings
         raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
     if not root.is_dir():
         raise PathNotFound(f"{url}: no such directory")
-    return _construct(f"file://{root}", None, {}, settings, "file", LocalStore, prefix=root)
+    try:
+        store = LocalStore(prefix=root)
+    except (obx.GenericError, ValueError) as exc:
+        raise InvalidArgument(f"{url}: invalid store configuration ({exc})") from exc
+    return LocalSource(f"file://{root}", store, settings=settings)
 
 
 def s3_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:

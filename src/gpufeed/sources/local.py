@@ -1,0 +1,69 @@
+"""A local directory as a source: obstore for listing, writing and the agent's async reads, and
+plain `preadv` for synchronous reads.
+
+Why: a synchronous obstore read of a 10 KB local file costs about 64 µs here (a Tokio
+round trip), a `preadv` about 12 µs, and packing or verifying a directory of small files reads
+each one once through `get_range`. The checks are those of every source (see `objstore`): the
+length always, the version when `conditional` (size, and a modification time no later than the
+listed one), and the content hash when the whole object is read.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any
+
+from gpufeed.config import Settings
+from gpufeed.errors import ObjectChanged, ObjectMissing
+from gpufeed.sources import retry
+from gpufeed.sources.base import ObjectInfo
+from gpufeed.sources.objstore import ObstoreSource
+
+MTIME_SLACK_S = 1e-5
+"""A listed modification time went through a float and obstore's microseconds: a file whose
+time is later than that by more than this was written since it was listed."""
+
+
+class LocalSource(ObstoreSource):
+    """`ObstoreSource` over obstore's LocalStore rooted at `root`."""
+
+    def __init__(self, url: str, store: Any, options: dict[str, str] | None = None, *, settings: Settings | None = None) -> None:
+        super().__init__(url, store, None, options, kind="file", settings=settings)
+        self.root = str(store.prefix)
+
+    def get_range(
+        self, key: str, start: int, end: int, expect: ObjectInfo | None = None, *, conditional: bool = True
+    ) -> memoryview:
+        """Bytes [start, end) of `key` by one `preadv`, checked as `ObstoreSource.get_range`."""
+        return retry.call(self.retry, lambda: self._read(key, start, end, expect, conditional))
+
+    def _read(self, key: str, start: int, end: int, expect: ObjectInfo | None, conditional: bool) -> memoryview:
+        where = self.where(key)
+        try:
+            fd = os.open(os.path.join(self.root, key), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise self.translate(exc, key) from exc
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ObjectMissing(f"{where}: not found at the source")
+            size = info.st_size
+            hashed_whole = expect is not None and bool(expect.content_hash) and start == 0 and end == expect.size
+            if expect is not None and (conditional or hashed_whole) and size != expect.size:
+                changed = f"{size} bytes, not {expect.size}"
+                raise ObjectChanged(f"{where}: the object changed at the source since it was listed ({changed})")
+            if conditional and expect is not None and expect.mtime > 0 and info.st_mtime > expect.mtime + MTIME_SLACK_S:
+                raise ObjectChanged(f"{where}: the object changed at the source since it was listed")
+            buffer = bytearray(max(0, min(end, size) - start))
+            got = os.preadv(fd, [buffer], start) if buffer else 0
+        except OSError as exc:
+            raise self.translate(exc, key) from exc
+        finally:
+            os.close(fd)
+        if got != end - start:
+            raise ObjectChanged(f"{where}: the source returned {got} bytes for [{start}, {end}); it is {size} bytes now")
+        data = memoryview(buffer)
+        if start == 0 and end == size:
+            self._check_hashes(key, data, expect, None, set())
+        return data
