@@ -18,7 +18,10 @@ def pack(
     nspath: str = typer.Argument(..., help="Namespace directory to pack, e.g. /data/imagenet."),
     dest: str = typer.Argument(..., help="Where to write the pack: file:///dir, s3://bucket/prefix, gs://…, az://…"),
     shard_size: str = typer.Option("256MiB", "--shard-size", help="Largest shard (a bigger file gets a shard alone)."),
-    workers: int = typer.Option(4, "--workers", "-w", help="Shards read and written at once."),
+    workers: int = typer.Option(4, "--workers", "-w", help="Processes reading and writing shards at once."),
+    ray: str | None = typer.Option(
+        None, "--ray", metavar="ADDRESS", help="Write the shards as tasks of this Ray cluster (host:port, or auto)."
+    ),
     order: Path | None = typer.Option(None, "--order", help="File of paths (one a line) to pack first, in this order."),
     opt: list[str] = typer.Option([], "--opt", "-o", help="Destination store option key=value (repeatable)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr; errors still print."),
@@ -26,7 +29,9 @@ def pack(
 ) -> None:
     """Pack every file under NSPATH into shards plus an index at DEST_URL, reading through the
     cache. Mount DEST_URL and the files keep their paths. Interrupted, it resumes (finished
-    shards are kept); over unchanged input it does nothing. (--ray is not implemented yet.)"""
+    shards are kept); over unchanged input it does nothing. With --ray, each shard is a task of
+    an existing Ray cluster; its nodes need gpufeed, an agent, and the namespace's metadata on
+    Redis (GPUFEED_META)."""
     from gpufeed.client import Client
     from gpufeed.namespace import parse_options
     from gpufeed.pack import packer
@@ -38,7 +43,7 @@ def pack(
         order=order,
     )
     with Meter("pack", len(job.items), job.bytes, quiet=quiet or job.up_to_date()) as meter:
-        done = packer.pack(client, job, workers=workers, progress=meter.update)
+        done = packer.pack(client, job, workers=workers, ray_address=ray, progress=meter.update)
     seconds = time.monotonic() - started
     if as_json:
         typer.echo(json.dumps({**asdict(done), "seconds": round(seconds, 3)}))

@@ -12,10 +12,8 @@ over unchanged input finds an index with the same digest and does nothing.
 
 from __future__ import annotations
 
-import hashlib
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -26,10 +24,9 @@ from gpufeed.namespace import FileStat, normalize
 from gpufeed.pack import index as idx
 from gpufeed.pack.layout import DIR, INDEX_KEY
 from gpufeed.pack.plan import Item, Shard, pack_digest, plan
+from gpufeed.pack.shards import ShardTask, digests_key
+from gpufeed.pack.shards import run as shards_run
 from gpufeed.sources import Source, open_source
-
-READ_BATCH_BYTES = 64 << 20
-READ_BATCH_FILES = 1024
 
 
 @dataclass
@@ -140,25 +137,38 @@ def prepare(client: Client, nspath: str, dest: Source, *, shard_size: int, order
     return Plan(normalize(nspath), dest, files, items, shards, pack_digest(shards, block_size), block_size, _existing(dest))
 
 
-def pack(client: Client, job: Plan, *, workers: int = 4, progress: Callable[[int, int], None] | None = None) -> Packed:
-    """Write the shards `job.dest` lacks (`workers` at a time), then the index. `progress` hears
-    the files and bytes done so far, shards kept from an earlier run included (from any worker
-    thread)."""
+def pack(
+    client: Client,
+    job: Plan,
+    *,
+    workers: int = 4,
+    ray_address: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Packed:
+    """Write the shards `job.dest` lacks (`workers` processes at a time, or as tasks of the Ray
+    cluster at `ray_address`), then the index. `progress` hears the files and bytes done so
+    far, shards kept from an earlier run included."""
     if workers < 1:
         raise InvalidArgument(f"--workers {workers}: must be at least 1")
     items, shards, dest, existing = job.items, job.shards, job.dest, job.existing
     if job.up_to_date():
         return Packed(len(items), job.bytes, len(shards), 0, len(shards), True, INDEX_KEY)
-    done = [s for s in shards if existing.get(s.key) == s.size and existing.get(_sums_key(s)) == 32 * len(s.members)]
+    done = [s for s in shards if existing.get(s.key) == s.size and existing.get(digests_key(s.key)) == 32 * len(s.members)]
     kept = {s.number for s in done}
     todo = [s for s in shards if s.number not in kept]
     counts = _Counts(progress)
     counts.add(sum(len(s.members) for s in done), sum(items[n].size for s in done for n, _ in s.members))
-    digests = {s.number: dest.get_range(_sums_key(s), 0, 32 * len(s.members)).tobytes() for s in done}
-    paths = [f"{job.nspath.rstrip('/')}/{path}" for path, _ in job.files]
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpufeed-pack") as pool:
-        written = pool.map(lambda s: _write(client, dest, s, items, paths, counts), todo)
-        digests.update(zip((s.number for s in todo), written, strict=True))
+    digests = {s.number: dest.get_range(digests_key(s.key), 0, 32 * len(s.members)).tobytes() for s in done}
+    base = job.nspath.rstrip("/")
+    tasks = [
+        ShardTask(
+            s.key, s.size, [f"{base}/{items[n].path}" for n, _ in s.members], [items[n].size for n, _ in s.members],
+            [offset for _, offset in s.members], dest.url, dest.options,
+        )
+        for s in todo
+    ]
+    written = shards_run(tasks, workers=workers, progress=counts.add, ray_address=ray_address)
+    digests.update(zip((s.number for s in todo), written, strict=True))
     rows = [
         (items[n].path, shard.number, offset, items[n].size, job.files[n][1].mtime, digests[shard.number][32 * k : 32 * k + 32])
         for shard in shards
@@ -169,12 +179,8 @@ def pack(client: Client, job: Plan, *, workers: int = 4, progress: Callable[[int
     return Packed(len(items), job.bytes, len(shards), len(todo), len(done), False, INDEX_KEY)
 
 
-def _sums_key(shard: Shard) -> str:
-    return f"{shard.key}.sha256"
-
-
 class _Counts:
-    """Files and bytes done, summed across worker threads."""
+    """Files and bytes done, summed across workers."""
 
     def __init__(self, progress: Callable[[int, int], None] | None) -> None:
         self.files = self.bytes = 0
@@ -187,36 +193,3 @@ class _Counts:
             self.bytes += size
             if self._progress is not None:
                 self._progress(self.files, self.bytes)
-
-
-def _batches(shard: Shard, items: list[Item]) -> Iterator[list[tuple[int, int]]]:
-    batch: list[tuple[int, int]] = []
-    size = 0
-    for n, offset in shard.members:
-        batch.append((n, offset))
-        size += items[n].size
-        if size >= READ_BATCH_BYTES or len(batch) >= READ_BATCH_FILES:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def _write(client: Client, dest: Source, shard: Shard, items: list[Item], paths: list[str], counts: _Counts) -> bytes:
-    """Read the shard's members (batched, through the read path), hash them, PUT the shard and
-    then its digests; returns the digests (32 bytes per member, in shard order)."""
-    buffer = bytearray(shard.size)
-    sums: list[bytes] = []
-    for batch in _batches(shard, items):
-        views = client.read_once([paths[n] for n, _ in batch])
-        for (n, offset), view in zip(batch, views, strict=True):
-            if len(view) != items[n].size:
-                listed = items[n].size
-                raise PackError(f"{paths[n]}: read {len(view)} bytes, the manifest lists {listed}; run 'gpufeed mount refresh'")
-            buffer[offset : offset + len(view)] = view
-            sums.append(hashlib.sha256(view).digest())
-        counts.add(len(batch), sum(items[n].size for n, _ in batch))
-    dest.put(shard.key, buffer)
-    digests = b"".join(sums)
-    dest.put(_sums_key(shard), digests)
-    return digests

@@ -40,7 +40,7 @@ def connect(address: str | None = None) -> None:
         return
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
     if target != "auto" and not target.startswith("ray://"):
-        _reachable(target)
+        reachable(target)
     try:
         ray.init(address=target, namespace=_namespace(), log_to_driver=False, logging_level=logging.WARNING)
     except ConnectionError as exc:
@@ -49,10 +49,11 @@ def connect(address: str | None = None) -> None:
                         "--resources \"$(gpufeed gpu resources)\"") from None
 
 
-def _reachable(address: str) -> None:
+def reachable(address: str, option: str = "--address") -> None:
+    """Fail fast, in one line, where `ray.init` would retry an absent head for minutes."""
     host, _, port = address.rpartition(":")
     if not port.isdigit() or not host:
-        raise InvalidArgument(f"--address {address!r}: expected HOST:PORT of a Ray cluster's head, e.g. 127.0.0.1:6379")
+        raise InvalidArgument(f"{option} {address!r}: expected HOST:PORT of a Ray cluster's head, e.g. 127.0.0.1:6379")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=3).close()
     except OSError as exc:
