@@ -126,14 +126,10 @@ class FeedSampler(torch.utils.data.Sampler[int]):
         return self.shuffle_window if self.shuffle == BLOCK else None
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "shuffle_window": self._window,
-            "size": self.size,
-        }
+        """(epoch, position) and what the order depends on; `shuffle_window` only for a
+        block-aware shuffle, so an exact one's state is what it was before there were two."""
+        state = {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle, "size": self.size}
+        return state if self._window is None else {**state, "shuffle_window": self._window}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where `state` says, with any world size or number of DataLoader workers: the
@@ -143,7 +139,7 @@ class FeedSampler(torch.utils.data.Sampler[int]):
             raise InvalidArgument(f"FeedSampler state lacks {', '.join(missing)}: not a FeedSampler.state_dict()")
         expected = (("size", self.size), ("seed", self.seed), ("shuffle", self.shuffle), ("shuffle_window", self._window))
         for key, mine in expected:
-            if state.get(key) != mine:  # a state from before block shuffles has no shuffle_window: an exact one
+            if state.get(key) != mine:  # an exact shuffle's state has no shuffle_window
                 raise InvalidArgument(
                     f"FeedSampler state has {key}={state[key]!r} but this sampler has {key}={mine!r}: "
                     "resuming would read another order"
