@@ -17,6 +17,7 @@ from gpufeed.integrations.torch import (
     FeedSampler,
     FolderLabels,
     Shard,
+    block_permutation,
     epoch_permutation,
     rank_and_world,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "GpufeedReader",
     "GpufeedWriter",
     "Shard",
+    "block_permutation",
     "epoch_permutation",
     "load",
     "rank_and_world",

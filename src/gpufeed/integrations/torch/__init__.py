@@ -19,6 +19,7 @@ from gpufeed.integrations.torch.labels import FolderLabels
 from gpufeed.integrations.torch.loader import FeedLoader
 from gpufeed.integrations.torch.order import Shard, epoch_permutation
 from gpufeed.integrations.torch.sampler import FeedSampler
+from gpufeed.shuffle import block_permutation
 
 __all__ = [
     "FeedDataset",
@@ -27,6 +28,7 @@ __all__ = [
     "FeedSampler",
     "FolderLabels",
     "Shard",
+    "block_permutation",
     "epoch_permutation",
     "rank_and_world",
 ]

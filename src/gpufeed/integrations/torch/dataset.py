@@ -19,6 +19,7 @@ from gpufeed.integrations.torch.labels import FolderLabels
 from gpufeed.integrations.torch.order import Shard, non_negative_int, shard_order
 from gpufeed.integrations.torch.prefetching import ProcessPrefetcher
 from gpufeed.prefetch import Read
+from gpufeed.shuffle import DEFAULT_WINDOW, Shuffle, shuffle_mode
 
 T = TypeVar("T")
 
@@ -64,6 +65,12 @@ class FeedDataset(torch.utils.data.Dataset, Generic[T]):
     def sizes(self) -> np.ndarray:
         return self.index.sizes
 
+    @property
+    def blocks(self) -> np.ndarray:
+        """Per sample, an id of the cache block its file starts in: equal for members of a
+        packed mount that share a block, distinct otherwise. `shuffle="block"` groups by it."""
+        return self.index.blocks
+
     def __len__(self) -> int:
         return len(self.index)
 
@@ -106,7 +113,8 @@ class FeedIterableDataset(torch.utils.data.IterableDataset, Generic[T]):
     begins, or, in a worker started by spawn or forkserver (where torch.distributed is not
     initialised), taken along when the DataLoader sends the dataset to its workers. With
     `prefetch`, each reader's upcoming files are fetched ahead. `transform` and `target` are
-    FeedDataset's."""
+    FeedDataset's. `shuffle="block"` reads in the block-aware order (see FeedSampler), with
+    `shuffle_window`."""
 
     def __init__(
         self,
@@ -114,13 +122,15 @@ class FeedIterableDataset(torch.utils.data.IterableDataset, Generic[T]):
         transform: Callable[[bytes], T] | None = None,
         *,
         target: Callable[[str], Any] | Literal["folder"] | None = None,
-        shuffle: bool = False,
+        shuffle: bool | str = False,
         seed: int = 0,
         drop_last: bool = False,
         prefetch: bool = True,
+        shuffle_window: int = DEFAULT_WINDOW,
     ) -> None:
+        self.shuffle: Shuffle = shuffle_mode(shuffle, shuffle_window)
+        self.shuffle_window = shuffle_window
         self.files: FeedDataset[T] = FeedDataset(paths_or_dir, transform, target=target)
-        self.shuffle = bool(shuffle)
         self.seed = non_negative_int(seed, "seed")
         self.drop_last = bool(drop_last)
         self.prefetch = prefetch
@@ -156,7 +166,7 @@ class FeedIterableDataset(torch.utils.data.IterableDataset, Generic[T]):
         shard = self._shard()
         worker = torch.utils.data.get_worker_info()
         worker_id, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        order = shard_order(self.seed, self.epoch, shard, self.shuffle)
+        order = shard_order(self.seed, self.epoch, shard, self.shuffle, self.shuffle_window, self.files.blocks)
         mine: Iterator[int] = iter(order[worker_id::workers].tolist())
         if self.prefetch:
             mine = self._prefetcher.ahead(mine, self.files.read_of)

@@ -17,6 +17,7 @@ import numpy as np
 
 from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument
+from gpufeed.namespace import CachePolicy, FileStat
 from gpufeed.prefetch import Read
 
 
@@ -63,13 +64,48 @@ def _roots(paths_or_dir: str | Sequence[str]) -> list[str]:
     raise InvalidArgument(f"{paths_or_dir!r}: expected a namespace path or a list of them, e.g. '/data/train'")
 
 
+class _Blocks:
+    """Dense ids of the cache blocks files start in, handed out as the listing goes: a pack
+    member's id is its shard's block (members of one block share it, known from the manifest
+    entry alone), any other file gets an id of its own."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self._ids: dict[tuple[str, str, int], int] = {}
+        self._block_sizes: dict[str, int] = {}
+        self._next = 0
+
+    def of(self, item: FileStat) -> int:
+        info = item.info
+        if info is None or info.pack_key is None:
+            self._next += 1
+            return self._next - 1
+        mount = item.path[: len(item.path) - len(info.key) - 1]
+        block_size = self._block_sizes.get(mount) or self._block_size(mount)
+        key = (mount, info.pack_key, (info.pack_offset or 0) // block_size)
+        found = self._ids.get(key)
+        if found is None:
+            found = self._ids[key] = self._next
+            self._next += 1
+        return found
+
+    def _block_size(self, mount: str) -> int:
+        where = self._client.namespace.resolve(mount)
+        if where is None:
+            raise InvalidArgument(f"{mount}: pack member outside every mount")
+        size = self._block_sizes[mount] = CachePolicy.of(where.mount, self._client.settings).block_size
+        return size
+
+
 @dataclass(frozen=True)
 class FileIndex:
     """Every file under the given namespace paths, in manifest order (directories expand to the
-    files below them, files stand for themselves)."""
+    files below them, files stand for themselves). `blocks[i]` names the cache block file i
+    starts in (see `_Blocks`), which the block-aware shuffle groups samples by."""
 
     paths: PathTable
     sizes: np.ndarray
+    blocks: np.ndarray
 
     @classmethod
     def build(cls, paths_or_dir: str | Sequence[str], client: Client) -> FileIndex:
@@ -77,15 +113,18 @@ class FileIndex:
         blob = bytearray()
         offsets = array("q", [0])
         sizes = array("q")
+        blocks = array("q")
+        block_of = _Blocks(client)
         for root in roots:
             for item in client.walk(root):
                 blob += item.path.encode()
                 offsets.append(len(blob))
                 sizes.append(item.size)
+                blocks.append(block_of.of(item))
         if not sizes:
             raise InvalidArgument(f"{', '.join(roots)}: no files to read")
         table = PathTable(np.frombuffer(bytes(blob), dtype=np.uint8), np.frombuffer(offsets, dtype=np.int64))
-        return cls(table, np.frombuffer(sizes, dtype=np.int64))
+        return cls(table, np.frombuffer(sizes, dtype=np.int64), np.frombuffer(blocks, dtype=np.int64))
 
     def __len__(self) -> int:
         return len(self.sizes)

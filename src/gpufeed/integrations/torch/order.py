@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from gpufeed.errors import InvalidArgument
-from gpufeed.shuffle import epoch_permutation
+from gpufeed.shuffle import Shuffle, epoch_order, epoch_permutation
 
 __all__ = ["Shard", "epoch_permutation", "non_negative_int", "shard_order"]
 
@@ -68,7 +68,9 @@ class Shard:
         return min(self.end, self.start + consumed * self.world)
 
 
-def shard_order(seed: int, epoch: int, shard: Shard, shuffle: bool = True) -> np.ndarray:
+def shard_order(
+    seed: int, epoch: int, shard: Shard, shuffle: Shuffle = True, window: int = 1, groups: np.ndarray | None = None
+) -> np.ndarray:
     """The sample indices `shard` reads in epoch `epoch`, in order: its positions looked up in
-    the epoch's permutation, which every rank computes alike."""
-    return epoch_permutation(seed, epoch, shard.n, shuffle)[shard.positions()]
+    the epoch's permutation (`gpufeed.shuffle.epoch_order`), which every rank computes alike."""
+    return epoch_order(seed, epoch, shard.n, shuffle, window, groups)[shard.positions()]

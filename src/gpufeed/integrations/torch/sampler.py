@@ -17,14 +17,27 @@ from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch.utils.data
 
 from gpufeed.errors import InvalidArgument
 from gpufeed.integrations.torch.distributed import rank_and_world
-from gpufeed.integrations.torch.order import Shard, epoch_permutation, non_negative_int
+from gpufeed.integrations.torch.order import Shard, non_negative_int
 from gpufeed.integrations.torch.prefetching import ProcessPrefetcher
+from gpufeed.shuffle import BLOCK, DEFAULT_WINDOW, Shuffle, epoch_order, shuffle_mode
 
 STATE_KEYS = ("epoch", "position", "seed", "shuffle", "size")
+
+
+def _groups_of(dataset: Sized) -> np.ndarray:
+    """The cache-block id of each sample, which the block-aware shuffle groups by."""
+    groups = getattr(dataset, "blocks", None)
+    if not isinstance(groups, np.ndarray) or groups.shape != (len(dataset),):
+        raise InvalidArgument(
+            f"FeedSampler(shuffle={BLOCK!r}) needs a dataset with `blocks`, one cache-block id per sample, "
+            f"such as FeedDataset; {type(dataset).__name__} has none"
+        )
+    return groups
 
 
 @dataclass
@@ -41,10 +54,23 @@ class FeedSampler(torch.utils.data.Sampler[int]):
     """Sample indices for this rank, epoch by epoch: the permutation is a pure function of
     (seed, epoch, len(dataset)); rank and world size are read when iteration starts. With
     `prefetch` (needs a dataset with `read_of`, such as FeedDataset), the files of upcoming
-    indices are fetched into the node cache ahead of the reads."""
+    indices are fetched into the node cache ahead of the reads.
+
+    `shuffle=True` is an exact per-sample shuffle; `shuffle="block"` the block-aware one for
+    packed mounts (`gpufeed.shuffle.block_permutation`, over the dataset's `blocks`): the
+    cache blocks in a random order, each sample moved within `shuffle_window` blocks of it,
+    so each block is fetched about once an epoch with a cache of a few blocks, for less
+    randomness."""
 
     def __init__(
-        self, dataset: Sized, shuffle: bool = True, seed: int = 0, drop_last: bool = False, *, prefetch: bool = True
+        self,
+        dataset: Sized,
+        shuffle: bool | str = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        prefetch: bool = True,
+        shuffle_window: int = DEFAULT_WINDOW,
     ) -> None:
         if prefetch and not callable(getattr(dataset, "read_of", None)):
             raise InvalidArgument(
@@ -53,7 +79,9 @@ class FeedSampler(torch.utils.data.Sampler[int]):
             )
         self.dataset = dataset
         self.size = len(dataset)
-        self.shuffle = bool(shuffle)
+        self.shuffle: Shuffle = shuffle_mode(shuffle, shuffle_window)
+        self.shuffle_window = shuffle_window
+        self._groups = _groups_of(dataset) if self.shuffle == BLOCK else None
         self.seed = non_negative_int(seed, "seed")
         self.drop_last = bool(drop_last)
         self.prefetch = prefetch
@@ -92,8 +120,16 @@ class FeedSampler(torch.utils.data.Sampler[int]):
             )
         return run.shard.position_after(run.consumed)
 
+    @property
+    def _window(self) -> int | None:
+        """The window the order depends on: none for an exact shuffle."""
+        return self.shuffle_window if self.shuffle == BLOCK else None
+
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle, "size": self.size}
+        """(epoch, position) and what the order depends on; `shuffle_window` only for a
+        block-aware shuffle, so an exact one's state is what it was before there were two."""
+        state = {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle, "size": self.size}
+        return state if self._window is None else {**state, "shuffle_window": self._window}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where `state` says, with any world size or number of DataLoader workers: the
@@ -101,8 +137,9 @@ class FeedSampler(torch.utils.data.Sampler[int]):
         missing = [key for key in STATE_KEYS if key not in state]
         if missing:
             raise InvalidArgument(f"FeedSampler state lacks {', '.join(missing)}: not a FeedSampler.state_dict()")
-        for key, mine in (("size", self.size), ("seed", self.seed), ("shuffle", self.shuffle)):
-            if state[key] != mine:
+        expected = (("size", self.size), ("seed", self.seed), ("shuffle", self.shuffle), ("shuffle_window", self._window))
+        for key, mine in expected:
+            if state.get(key) != mine:  # an exact shuffle's state has no shuffle_window
                 raise InvalidArgument(
                     f"FeedSampler state has {key}={state[key]!r} but this sampler has {key}={mine!r}: "
                     "resuming would read another order"
@@ -125,7 +162,7 @@ class FeedSampler(torch.utils.data.Sampler[int]):
         shard = self._next_shard()
         self._resume = 0
         run = self._run = _Run(self.epoch, shard)
-        order = epoch_permutation(self.seed, self.epoch, self.size, self.shuffle)
+        order = epoch_order(self.seed, self.epoch, self.size, self.shuffle, self.shuffle_window, self._groups)
         return self._hand_out(run, order[shard.positions()].tolist())
 
     def _hand_out(self, run: _Run, indices: list[int]) -> Iterator[int]:
