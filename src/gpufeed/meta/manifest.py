@@ -36,7 +36,8 @@ class ManifestStats:
 
 def _usable(key: str) -> bool:
     """Keys a namespace path can name; '..', '.' and empty components could never be reached."""
-    return bool(key) and all(part not in ("", ".", "..") for part in key.split("/")) and "\0" not in key
+    wrapped = f"/{key}/"  # an empty, '.' or '..' component shows as '//', '/./' or '/../'
+    return "//" not in wrapped and "/./" not in wrapped and "/../" not in wrapped and "\0" not in key
 
 
 def entries_from_listing(

@@ -79,14 +79,17 @@ def _pack(source: Source) -> Iterator[list[ObjectInfo]]:
             now = "missing" if shard is None else f"{shard.size} bytes"
             raise PackError(f"{source.url}/{key}: shard {now}, the index says {size} bytes; run 'gpufeed pack' again")
     yield [_table(objects[key]) for key in index.shards]
-    batch: list[ObjectInfo] = []
-    for m in index.members():
-        batch.append(ObjectInfo(m.path, m.length, m.mtime, None, f"sha256:{m.sha256}", m.shard, m.offset, m.length))
-        if len(batch) >= BATCH:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+    paths, shards, digests = index.paths, index.shards, index.sha256
+    shard_of, offsets, lengths, mtimes = (a.tolist() for a in (index.shard_of, index.offsets, index.lengths, index.mtimes))
+    by_entry = sorted(range(len(paths)), key=lambda n: paths[n].rpartition("/")[::2])
+    for start in range(0, len(by_entry), BATCH):  # in the manifest's key order: its B-tree grows at one end
+        yield [
+            ObjectInfo(
+                paths[n], lengths[n], mtimes[n], None, f"sha256:{digests[32 * n : 32 * n + 32].hex()}",
+                shards[shard_of[n]], offsets[n], lengths[n],
+            )
+            for n in by_entry[start : start + BATCH]
+        ]
 
 
 def _webdataset(source: Source) -> Iterator[list[ObjectInfo]]:
