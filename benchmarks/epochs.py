@@ -256,9 +256,11 @@ def bare_get_ms(store: Any, keys: list[str], concurrency: int = 48) -> float:
     return (time.process_time() - started) / len(keys) * 1000
 
 
-def feed_loader(dataset: FeedDataset, args: argparse.Namespace, prefetch: bool = True) -> Callable[[int], FeedLoader]:
+def feed_loader(
+    dataset: FeedDataset, args: argparse.Namespace, prefetch: bool = True, shuffle: bool | str = True
+) -> Callable[[int], FeedLoader]:
     gpufeed.client().agent.stats()  # the agent runs before epoch 1: its start-up is not a cold object's CPU
-    sampler = FeedSampler(dataset, shuffle=True, seed=0, prefetch=prefetch)
+    sampler = FeedSampler(dataset, shuffle=shuffle, seed=0, prefetch=prefetch)
     loader = FeedLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers,
                         collate_fn=collate, persistent_workers=args.persistent)
 

@@ -6,8 +6,9 @@
 Part 1, packing time, local disk to local disk, for each data set (the JPEG set and the small
 files), every packer reading the same files (in the page cache for all of them) and writing
 shards of --shard-mib:
-- gpufeed pack: mount the directory (file://, listed into the manifest: timed) and pack it,
-  --workers workers; the node agent is running already, the mount was never read;
+- gpufeed pack: --workers processes, the directory mounted (file://) and never read, the node
+  agent running already; LitData is handed the list of paths, so the row to compare is the
+  pack alone, and the mount's listing is shown added in a row of its own;
 - LitData optimize(fn=read the file, num_workers=--workers);
 - Mosaic MDSWriter (one process: it has no workers), columns {name: str, data: bytes}.
 Printed: seconds, files/s, and each one's speed relative to LitData's.
@@ -15,7 +16,9 @@ Printed: seconds, files/s, and each one's speed relative to LitData's.
 Part 2, training from S3 (moto, behind the project's 20 ms latency shaper), the JPEG set, the
 epochs.py loop (PIL decode in --workers DataLoader workers, an accelerator step calibrated to
 keep it --busy on local disk): local disk; gpufeed over the raw files; gpufeed over the pack
-(uploaded next to them); Mosaic StreamingDataset over its own MDS copy. Each gpufeed and Mosaic
+(uploaded next to them) with an exact shuffle, and over a second copy of it with the
+block-aware shuffle (window 4); Mosaic StreamingDataset over its own MDS copy (its default
+shuffle, py1e, block-aware too). Each gpufeed and Mosaic
 mount is read for the first time in its epoch 1 (cold: its blocks or shards were never fetched;
 packing read the local copy, whose blocks are another source's). Printed per epoch: samples/s,
 accelerator busy, ratio to local disk, and the GET requests the store server logged.
@@ -89,14 +92,17 @@ def read_file(path: str) -> bytes:
         return f.read()
 
 
-def time_gpufeed(root: Path, out: Path, mount: str, shard: int, workers: int) -> float:
+def time_gpufeed(root: Path, out: Path, mount: str, shard: int, workers: int) -> tuple[float, float]:
+    """(seconds to mount the directory, seconds to pack it): what `gpufeed mount add` and then
+    `gpufeed pack` take, the node agent already running, as it does on a node in service."""
     client = gpufeed.client()
-    client.agent.stats()  # the node agent runs already, as it does on a node in service
+    client.agent.stats()
     started = time.perf_counter()
     client.namespace.add_mount(mount, f"file://{root}")
+    mounted = time.perf_counter()
     job = packer.prepare(client, mount, packer.destination(f"file://{out}", {}, client), shard_size=shard)
     packer.pack(client, job, workers=workers)
-    return time.perf_counter() - started
+    return mounted - started, time.perf_counter() - mounted
 
 
 def time_litdata(paths: list[Path], out: Path, shard: int, workers: int) -> float:
@@ -121,8 +127,10 @@ def packing(label: str, root: Path, work: Path, args: argparse.Namespace) -> Non
     paths = sorted(root.iterdir())
     total = sum(p.stat().st_size for p in paths)
     shard, workers = args.shard_mib << 20, args.workers
+    mount_s, pack_s = time_gpufeed(root, work / f"{label}-gpufeed", f"/in-{label}", shard, workers)
     times = {
-        f"gpufeed pack ({workers} workers)": time_gpufeed(root, work / f"{label}-gpufeed", f"/in-{label}", shard, workers),
+        f"gpufeed pack ({workers} processes)": pack_s,
+        "gpufeed mount add, then pack": mount_s + pack_s,
         f"LitData optimize ({args.workers} workers)": time_litdata(paths, work / f"{label}-litdata", shard, args.workers),
         "Mosaic MDSWriter (1 process)": time_mds(paths, work / f"{label}-mds", shard),
     }
@@ -228,6 +236,7 @@ def training(work: Path, root: Path, args: argparse.Namespace) -> None:
     with s3_store(work, root) as endpoint:
         gets = Gets(work / "moto.log")
         upload(endpoint, work / "jpegs-gpufeed", "packed")
+        upload(endpoint, work / "jpegs-gpufeed", "packed-again")
         upload(endpoint, work / "jpegs-mds", "mds")
         port = int(endpoint.rsplit(":", 1)[1])
         with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper.log") as shaped:
@@ -236,6 +245,9 @@ def training(work: Path, root: Path, args: argparse.Namespace) -> None:
             Namespace().add_mount("/packed", f"s3://{BUCKET}/packed", options)
             loop("gpufeed s3, raw files", feed_loader(FeedDataset("/raw", transform=decode), args), gets)
             loop("gpufeed s3, packed", feed_loader(FeedDataset("/packed", transform=decode), args), gets)
+            Namespace().add_mount("/packed-block", f"s3://{BUCKET}/packed-again", options)  # a copy: cold blocks of its own
+            block_loader = feed_loader(FeedDataset("/packed-block", transform=decode), args, shuffle="block")
+            loop("gpufeed s3, packed, block shuffle", block_loader, gets)
             os.environ["S3_ENDPOINT_URL"] = options["endpoint"]
             loop("Mosaic StreamingDataset, MDS copy", mosaic_loader(f"s3://{BUCKET}/mds", work / "mosaic-cache", args), gets)
     loop("local disk, again", local_loader, None)

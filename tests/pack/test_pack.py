@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import pytest
 
 import gpufeed
 from gpufeed.client import Client
@@ -227,3 +228,38 @@ def test_repack_after_a_change_and_refresh_the_packed_mount(bucket: Bucket, tmp_
     ns.refresh("/p")
     assert Client().read("/p/05.bin") == b"new" * 1000
     assert Client().read("/p/06.bin") == bytes([6]) * 3000
+
+
+def test_shards_written_in_worker_processes_match_a_pack_in_this_process(
+    bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpufeed.pack import packer, shards
+
+    files_in(bucket, "raw", 120, seed=6)
+    client = gpufeed.client()
+    client.namespace.add_mount("/raw", f"{bucket.url}/raw", {"endpoint": bucket.endpoint})
+
+    children: list[int] = []
+
+    def pack(dest: Path) -> list[tuple[int, int]]:
+        heard: list[tuple[int, int]] = []
+
+        def progress(files: int, size: int) -> None:
+            heard.append((files, size))
+            children.append(len(multiprocessing.active_children()))
+
+        job = packer.prepare(client, "/raw", packer.destination(f"file://{dest}", {}, client), shard_size=256 << 10)
+        done = packer.pack(client, job, workers=3, progress=progress)
+        assert done.written == done.shards > 3
+        return heard
+
+    alone = pack(tmp_path / "threads")
+    assert max(children) == 0, "120 files are packed on threads"
+    monkeypatch.setattr(shards, "PROCESSES_FROM_FILES", 0)
+    started = multiprocessing.active_children()
+    heard = pack(tmp_path / "processes")
+    assert max(children) == 3, "three worker processes wrote the shards"
+    assert (tmp_path / "processes" / INDEX_KEY).read_bytes() == (tmp_path / "threads" / INDEX_KEY).read_bytes()
+    assert heard[-1] == alone[-1] and heard[-1][0] == 120, "every file's progress reached the caller"
+    assert len(heard) > 3, "progress came shard by shard, not once at the end"
+    assert multiprocessing.active_children() == started, "the worker processes are gone"
