@@ -129,7 +129,7 @@ def packing(label: str, root: Path, work: Path, args: argparse.Namespace) -> Non
     shard, workers = args.shard_mib << 20, args.workers
     mount_s, pack_s = time_gpufeed(root, work / f"{label}-gpufeed", f"/in-{label}", shard, workers)
     times = {
-        f"gpufeed pack ({workers} processes)": pack_s,
+        f"gpufeed pack (--workers {workers})": pack_s,
         "gpufeed mount add, then pack": mount_s + pack_s,
         f"LitData optimize ({args.workers} workers)": time_litdata(paths, work / f"{label}-litdata", shard, args.workers),
         "Mosaic MDSWriter (1 process)": time_mds(paths, work / f"{label}-mds", shard),
