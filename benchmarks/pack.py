@@ -6,7 +6,8 @@
 Part 1, packing time, local disk to local disk, for each data set (the JPEG set and the small
 files), every packer reading the same files (in the page cache for all of them) and writing
 shards of --shard-mib:
-- gpufeed pack: --workers processes, the directory mounted (file://) and never read, the node
+- gpufeed pack --workers N (processes for the small files, threads of one process for the 3,000
+  JPEGs: see pack/shards.py), the directory mounted (file://) and never read, the node
   agent running already; LitData is handed the list of paths, so the row to compare is the
   pack alone, and the mount's listing is shown added in a row of its own;
 - LitData optimize(fn=read the file, num_workers=--workers);
