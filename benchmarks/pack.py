@@ -14,7 +14,8 @@ shards of --shard-mib:
 - Mosaic MDSWriter (one process: it has no workers), columns {name: str, data: bytes}.
 Printed: seconds, files/s, and each one's speed relative to LitData's.
 
-Part 2, training from S3 (moto, behind the project's 20 ms latency shaper), the JPEG set, the
+Part 2, training from S3 (moto, or s3rver with --store s3rver: it serves a shard's ranges from
+disk where moto reads the whole shard for each; behind the project's 20 ms latency shaper), the JPEG set, the
 epochs.py loop (PIL decode in --workers DataLoader workers, an accelerator step calibrated to
 keep it --busy on local disk): local disk; gpufeed over the raw files; gpufeed over the pack
 (uploaded next to them) with an exact shuffle, and over a second copy of it with the
@@ -43,12 +44,15 @@ import argparse
 import hashlib
 import importlib.machinery
 import os
+import re
+import shutil
 import statistics
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +74,13 @@ from epochs import (
 from torch.utils.data import DataLoader, RandomSampler
 
 import gpufeed
+from gpufeed.bench.children import free_port, helper
 from gpufeed.bench.shaper import shaping
 from gpufeed.integrations.torch import FeedDataset
 from gpufeed.namespace import Namespace
 from gpufeed.pack import packer
+
+S3RVER_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def import_mosaic() -> Any:
@@ -175,17 +182,33 @@ def check_in_place(work: Path, root: Path) -> None:
 
 
 class Gets:
-    """GET requests the moto server logged (werkzeug writes one line per request, the method
-    wrapped in colour codes)."""
+    """GET requests the store server logged. moto (werkzeug) writes one line per request with
+    its method; s3rver writes one per response, with its status and no method, so there every
+    200 or 206 counts (during an epoch nothing but GETs reach it)."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, store: str) -> None:
         self.log, self.seen = log, 0
+        self.pattern = re.compile(rb"GET /" if store == "moto" else rb"info\S*: \S+ 20[06] ")
 
     def count(self) -> int:
         text = self.log.read_bytes()
-        new = text[self.seen :].count(b"GET /")
+        new = len(self.pattern.findall(text, self.seen))
         self.seen = len(text)
         return new
+
+
+@contextmanager
+def s3rver_store(work: Path, root: Path) -> Iterator[str]:
+    """s3rver (ranges served from disk, where moto reads the whole object for each) holding the
+    JPEGs under train/; yields its endpoint."""
+    if shutil.which("s3rver") is None:
+        sys.exit("s3rver is not installed: npm install -g s3rver")
+    port = free_port()
+    argv = ["s3rver", "-d", str(work / "s3rver"), "-p", str(port), "-a", "127.0.0.1", "--configure-bucket", BUCKET]
+    with helper(argv, "s3rver", work / "s3rver.log", port=port):
+        endpoint = f"http://127.0.0.1:{port}"
+        upload(endpoint, root, "train")
+        yield endpoint
 
 
 def upload(endpoint: str, local: Path, prefix: str) -> None:
@@ -219,7 +242,8 @@ def training(work: Path, root: Path, args: argparse.Namespace) -> None:
     run_epoch(local_loader(0), 0.0)
     data_only = max((run_epoch(local_loader(0), 0.0) for _ in range(2)), key=lambda e: e.samples_s)
     step_s = calibrate(lambda step: run_epoch(local_loader(0), step), args.busy * args.batch / data_only.samples_s, args.busy)
-    print(f"\ntraining from S3 {args.latency_ms:g} ms away: {len(paths):,} JPEGs, batch {args.batch}, {args.workers} workers, "
+    print(f"\ntraining from S3 ({args.store}) {args.latency_ms:g} ms away: {len(paths):,} JPEGs, batch {args.batch}, "
+          f"{args.workers} workers, "
           f"accelerator step {step_s * 1000:.0f} ms (local disk alone feeds {data_only.samples_s:,.0f} samples/s)")
     print(f"{'loop':<34} {'epoch':>5} {'samples/s':>10} {'busy':>6} {'vs local':>9} {'GETs':>7}")
     rows: list[tuple[str, int, Epoch, int | None]] = []
@@ -234,8 +258,8 @@ def training(work: Path, root: Path, args: argparse.Namespace) -> None:
             print(f"  {name}: epoch {epoch + 1} {result.samples_s:,.0f} samples/s", file=sys.stderr, flush=True)
 
     loop("local disk", local_loader, None)
-    with s3_store(work, root) as endpoint:
-        gets = Gets(work / "moto.log")
+    with (s3_store if args.store == "moto" else s3rver_store)(work, root) as endpoint:
+        gets = Gets(work / f"{args.store}.log", args.store)
         upload(endpoint, work / "jpegs-gpufeed", "packed")
         upload(endpoint, work / "jpegs-gpufeed", "packed-again")
         upload(endpoint, work / "jpegs-mds", "mds")
@@ -273,8 +297,9 @@ def main() -> None:
     parser.add_argument("--shard-mib", type=int, default=64)
     parser.add_argument("--persistent", action="store_true", help="persistent DataLoader workers")
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--store", choices=("moto", "s3rver"), default="moto", help="the S3 server of the training part")
     args = parser.parse_args()
-    os.environ.update(CREDENTIALS)
+    os.environ.update(CREDENTIALS if args.store == "moto" else S3RVER_CREDENTIALS)
     torch.set_num_threads(1)
     with scratch_home("gpufeed-pack-") as work:
         root = work / "jpegs"
