@@ -205,7 +205,8 @@ def s3rver_store(work: Path, root: Path) -> Iterator[str]:
         sys.exit("s3rver is not installed: npm install -g s3rver")
     port = free_port()
     argv = ["s3rver", "-d", str(work / "s3rver"), "-p", str(port), "-a", "127.0.0.1", "--configure-bucket", BUCKET]
-    with helper(argv, "s3rver", work / "s3rver.log", port=port):
+    legacy = {"NODE_OPTIONS": "--openssl-legacy-provider"}  # its continuation tokens (past 1,000 keys) use an old cipher
+    with helper(argv, "s3rver", work / "s3rver.log", port=port, env=legacy):
         endpoint = f"http://127.0.0.1:{port}"
         upload(endpoint, root, "train")
         yield endpoint
