@@ -4,6 +4,7 @@ through it with a cache smaller than the data set."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import re
@@ -121,6 +122,9 @@ def test_sampler_reads_the_block_order_and_resumes_only_into_it(tmp_path: Path) 
     assert exact["shuffle"] is True and "shuffle_window" not in exact, "an exact shuffle's state is unchanged"
     with pytest.raises(InvalidArgument, match="shuffle=True but this sampler has shuffle='block'"):
         resumed.load_state_dict(exact)
+    data.index = dataclasses.replace(data.index, blocks=data.blocks // 2)  # two files to a block now: bigger blocks
+    with pytest.raises(InvalidArgument, match="block_layout=.* resuming would read another order"):
+        FeedSampler(data, shuffle="block", shuffle_window=3, seed=4, prefetch=False).load_state_dict(state)
 
 
 def test_iterable_dataset_streams_the_block_order(tmp_path: Path) -> None:

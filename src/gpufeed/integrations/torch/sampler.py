@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch.utils.data
+import xxhash
 
 from gpufeed.errors import InvalidArgument
 from gpufeed.integrations.torch.distributed import rank_and_world
@@ -82,6 +83,9 @@ class FeedSampler(torch.utils.data.Sampler[int]):
         self.shuffle: Shuffle = shuffle_mode(shuffle, shuffle_window)
         self.shuffle_window = shuffle_window
         self._groups = _groups_of(dataset) if self.shuffle == BLOCK else None
+        self._layout = None if self._groups is None else xxhash.xxh3_64_hexdigest(np.ascontiguousarray(self._groups).tobytes())
+        """A digest of which samples share a block: a block-aware order depends on it, so a
+        state saved over another layout (the mount's block size changed, files added) is refused."""
         self.seed = non_negative_int(seed, "seed")
         self.drop_last = bool(drop_last)
         self.prefetch = prefetch
@@ -129,7 +133,7 @@ class FeedSampler(torch.utils.data.Sampler[int]):
         """(epoch, position) and what the order depends on; `shuffle_window` only for a
         block-aware shuffle, so an exact one's state is what it was before there were two."""
         state = {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle, "size": self.size}
-        return state if self._window is None else {**state, "shuffle_window": self._window}
+        return state if self._window is None else {**state, "shuffle_window": self._window, "block_layout": self._layout}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where `state` says, with any world size or number of DataLoader workers: the
@@ -137,11 +141,14 @@ class FeedSampler(torch.utils.data.Sampler[int]):
         missing = [key for key in STATE_KEYS if key not in state]
         if missing:
             raise InvalidArgument(f"FeedSampler state lacks {', '.join(missing)}: not a FeedSampler.state_dict()")
-        expected = (("size", self.size), ("seed", self.seed), ("shuffle", self.shuffle), ("shuffle_window", self._window))
+        expected = (
+            ("size", self.size), ("seed", self.seed), ("shuffle", self.shuffle), ("shuffle_window", self._window),
+            ("block_layout", self._layout),
+        )
         for key, mine in expected:
-            if state.get(key) != mine:  # an exact shuffle's state has no shuffle_window
+            if state.get(key) != mine:  # an exact shuffle's state has no shuffle_window or block_layout
                 raise InvalidArgument(
-                    f"FeedSampler state has {key}={state[key]!r} but this sampler has {key}={mine!r}: "
+                    f"FeedSampler state has {key}={state.get(key)!r} but this sampler has {key}={mine!r}: "
                     "resuming would read another order"
                 )
         epoch = non_negative_int(state["epoch"], "epoch")
