@@ -467,9 +467,8 @@ class Client:
         """Source reads, up to DIRECT_CONCURRENCY in flight at once (one ranged GET each). A local
         directory's are read one after another in this thread: a page-cache `preadv` costs less
         than handing it to another thread or an event loop."""
-        local = {key: r for key, r in ranges.items() if r[0].source.local}
-        got = {key: self._direct(handle, start, end) for key, (handle, start, end) in local.items()}
-        remote = [(key, r) for key, r in ranges.items() if key not in local] if local else list(ranges.items())
+        got = {key: self._direct(handle, start, end) for key, (handle, start, end) in ranges.items() if handle.source.local}
+        remote = [(key, r) for key, r in ranges.items() if not r[0].source.local]
         if len(remote) == 1:
             ((key, (handle, start, end)),) = remote
             got[key] = self._direct(handle, start, end)

@@ -145,8 +145,8 @@ def pack(
     ray_address: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Packed:
-    """Write the shards `job.dest` lacks (`workers` processes at a time, or as tasks of the Ray
-    cluster at `ray_address`), then the index. `progress` hears the files and bytes done so
+    """Write the shards `job.dest` lacks (`workers` at a time, see `shards.run`, or as tasks of
+    the Ray cluster at `ray_address`), then the index. `progress` hears the files and bytes done so
     far, shards kept from an earlier run included."""
     if workers < 1:
         raise InvalidArgument(f"--workers {workers}: must be at least 1")

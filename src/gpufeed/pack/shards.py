@@ -51,9 +51,6 @@ class ShardTask:
     dest_url: str
     dest_options: dict[str, str]
 
-    def digests_key(self) -> str:
-        return digests_key(self.key)
-
 
 def digests_key(shard_key: str) -> str:
     """Where a shard's member digests (32 bytes of sha256 each, in shard order) are stored."""
@@ -90,7 +87,7 @@ def write_shard(task: ShardTask, progress: Progress | None = None) -> bytes:
             progress(len(batch), sum(task.sizes[n] for n in batch))
     dest.put(task.key, buffer)
     digests = b"".join(sums)
-    dest.put(task.digests_key(), digests)
+    dest.put(digests_key(task.key), digests)
     return digests
 
 
@@ -114,8 +111,8 @@ _progress_queue: Any = None
 
 
 def _start_worker(environment: dict[str, str], progress: Any) -> None:
-    """A pool process reads the namespace and stores its parent reads, whatever environment the
-    start method gave it."""
+    """A pool process sees the namespace, agent and stores of the process that started the pack,
+    whatever environment the start method gave it."""
     global _progress_queue
     os.environ.clear()
     os.environ.update(environment)
