@@ -13,6 +13,8 @@ import posixpath
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from gpufeed.config import Settings, parse_size, parse_verify
@@ -35,9 +37,13 @@ from gpufeed.meta.base import Entry
 from gpufeed.meta.checksums import parse_checksums
 from gpufeed.meta.manifest import ManifestStats, write_manifest
 from gpufeed.pack.layout import DIR as PACK_DIR
+from gpufeed.pack.layout import INDEX_KEY as PACK_INDEX
 from gpufeed.pack.layout import hidden, object_entry
 from gpufeed.sources import Source, open_source
 from gpufeed.sources.base import ObjectInfo, same_version
+
+if TYPE_CHECKING:
+    from gpufeed.pack.members import MemberTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +198,7 @@ class Namespace:
         self.settings = settings or Settings.from_env()
         self.engine = engine or open_engine(self.settings)
         self._sources: dict[tuple[str, str], Source] = {}
+        self._tables: dict[str, tuple[int, MemberTable]] = {}
         self._mounts: list[Mount] | None = None
         self._mounts_read = 0.0
 
@@ -271,10 +278,18 @@ class Namespace:
                 raise MountError(f"{url}: no objects under this prefix{hint} (--allow-empty mounts it anyway)")
 
         self._forget_mounts()
-        return write_manifest(
-            self.engine, mount, source, create=True, hashes=hashes, check=refuse_empty, progress=listed,
-            listing=mounting.listing(source, fmt),
-        )
+        if fmt != "gpufeed-pack":
+            return write_manifest(
+                self.engine, mount, source, create=True, hashes=hashes, check=refuse_empty, progress=listed,
+                listing=mounting.listing(source, fmt),
+            )
+        if hashes is not None:
+            raise InvalidArgument(f"{url}: a gpufeed pack carries its members' sha256; --checksums is for plain files")
+        rows, table = mounting.pack_rows(source)
+        self._save_table(table, rows[-1])
+        mount, stats = write_manifest(self.engine, mount, source, create=True, listing=[rows])
+        stats.files, stats.bytes, stats.skipped, stats.added = table.files, table.bytes, table.skipped, table.files
+        return mount, stats
 
     def refresh(self, path: str, listed: Callable[[ManifestStats], None] | None = None) -> tuple[Mount, ManifestStats]:
         mount = self.mount(path)
@@ -283,11 +298,22 @@ class Namespace:
         from gpufeed.pack import mounting
 
         source = self.source(mount)
+        fmt = mount.options.get("format", "files")
         try:
-            return write_manifest(
-                self.engine, mount, source, create=False, progress=listed,
-                listing=mounting.listing(source, mount.options.get("format", "files")),
-            )
+            if fmt != "gpufeed-pack":
+                return write_manifest(
+                    self.engine, mount, source, create=False, progress=listed, listing=mounting.listing(source, fmt)
+                )
+            try:
+                old = self.members(mount)
+            except PackError:  # its index is gone or changed in the store: all is counted as added
+                old = None
+            rows, table = mounting.pack_rows(source)
+            self._save_table(table, rows[-1])
+            mount, stats = write_manifest(self.engine, mount, source, create=False, listing=[rows])
+            stats.files, stats.bytes, stats.skipped, stats.kept_hashes = table.files, table.bytes, table.skipped, 0
+            stats.added, stats.changed, stats.removed = table.changes(old) if old is not None else (table.files, 0, 0)
+            return mount, stats
         finally:
             self._forget_mounts()  # a reader in another thread may have cached the old table meanwhile
 
@@ -327,6 +353,47 @@ class Namespace:
             source = self._sources[cache_key] = open_source(mount.url, source_options(mount), self.settings)
         return source
 
+    # -- packed mounts' members --------------------------------------------------------------
+
+    def _tables_dir(self) -> Path:
+        return self.settings.home / "packs"
+
+    def _save_table(self, table: MemberTable, index_row: ObjectInfo) -> None:
+        """Save a just-built member table where this node's processes look for it."""
+        assert index_row.content_hash is not None
+        where = self._tables_dir() / index_row.content_hash.removeprefix("sha256:")
+        try:
+            table.save(where)
+        except OSError as exc:
+            raise MountError(f"{where}: cannot save the pack's member table ({exc.strerror or exc})") from None
+
+    def members(self, mount: Mount) -> MemberTable | None:
+        """The member table of a gpufeed-pack mount's generation; None for any other mount (and
+        for one listed before member tables existed: its members are rows). Another process's
+        refresh is seen when the mount table is next read (MOUNTS_TTL_S), as for any mount;
+        until then this process reads the previous pack, which stays whole."""
+        if mount.options.get("format") != "gpufeed-pack":
+            return None
+        cached = self._tables.get(mount.path)
+        if cached is not None and cached[0] == mount.generation:
+            return cached[1]
+        row = self.engine.lookup(mount.generation, *object_entry(PACK_INDEX))
+        if row is None or row.content_hash is None:
+            return None
+        from gpufeed.pack import mounting
+
+        table = mounting.member_table(self.source(mount), row.object_info(), self._tables_dir())
+        self._tables[mount.path] = (mount.generation, table)
+        return table
+
+    def _lookup(self, mount: Mount, parent: str, name: str) -> Entry | None:
+        table = self.members(mount)
+        return self.engine.lookup(mount.generation, parent, name) if table is None else table.lookup(parent, name)
+
+    def _listdir(self, mount: Mount, parent: str) -> list[Entry]:
+        table = self.members(mount)
+        return self.engine.listdir(mount.generation, parent) if table is None else table.listdir(parent)
+
     # -- lookups --------------------------------------------------------------------------
 
     def resolve(self, path: str) -> Resolved | None:
@@ -352,9 +419,9 @@ class Namespace:
 
     def _entry(self, path: str, where: Resolved) -> tuple[Entry, Resolved]:
         parent, name = where.split
-        entry = self.engine.lookup(where.mount.generation, parent, name)
+        entry = self._lookup(where.mount, parent, name)
         if entry is None and (switched := self._switched(where)) is not None:
-            where, entry = switched, self.engine.lookup(switched.mount.generation, parent, name)
+            where, entry = switched, self._lookup(switched.mount, parent, name)
         if entry is None:
             raise PathNotFound(f"{path}: no such file in mount {where.mount.path} ({where.mount.url})")
         return entry, where
@@ -377,9 +444,9 @@ class Namespace:
             entry, where = self._entry(path, where)
             if not entry.is_dir:
                 return [FileStat.of(path, entry)]
-        entries = self.engine.listdir(where.mount.generation, where.key)
+        entries = self._listdir(where.mount, where.key)
         if not entries and (switched := self._switched(where)) is not None:
-            entries = self.engine.listdir(switched.mount.generation, where.key)
+            entries = self._listdir(switched.mount, where.key)
         prefix = base + "/"
         hide = PACK_DIR if where.key == "" and packed(where.mount) else None
         return [FileStat.of(prefix + e.name, e) for e in entries if e.name != hide]
@@ -399,6 +466,11 @@ class Namespace:
             if not entry.is_dir:
                 yield FileStat.of(path, entry)
                 return
+        table = self.members(where.mount)
+        if table is not None:
+            for e in table.walk(where.key):
+                yield FileStat(f"{where.mount.path}/{e.key}", False, e.object_info())
+            return
         hide = packed(where.mount)
         for e in self.engine.walk(where.mount.generation, where.key):
             if not (hide and hidden(e.parent)):

@@ -23,7 +23,8 @@ from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
 from gpufeed.meta.base import Entry
 from gpufeed.namespace import Namespace
-from gpufeed.pack.layout import DIR, INDEX_KEY
+from gpufeed.pack.layout import DIR, INDEX_KEY, object_entry
+from gpufeed.pack.members import MemberTable
 from tests.cli.test_cli import fails, ok
 from tests.conftest import Bucket
 
@@ -164,15 +165,23 @@ def test_bad_inputs_one_line(bucket: Bucket, tmp_path: Path, dataset: Path) -> N
     )
 
 
-def test_manifest_rows_carry_pack_membership(bucket: Bucket, tmp_path: Path, dataset: Path) -> None:
+def test_members_are_a_member_table_and_the_manifest_pins_the_index(bucket: Bucket, tmp_path: Path, dataset: Path) -> None:
     ns = Namespace()
     ns.add_mount("/data", f"file://{dataset}")
     ok("pack", "/data", f"file://{tmp_path}/p")
     ns.add_mount("/p", f"file://{tmp_path}/p")
     mount = ns.mount("/p")
     assert mount.options["format"] == "gpufeed-pack"
-    row = ns.engine.lookup(mount.generation, "train/cats", "1.jpg")
+    assert ns.engine.lookup(mount.generation, "train/cats", "1.jpg") is None, "members are not manifest rows"
+    index_row = ns.engine.lookup(mount.generation, *object_entry(INDEX_KEY))
+    assert index_row is not None and index_row.content_hash is not None
+    saved = Settings.from_env().home / "packs" / index_row.content_hash.removeprefix("sha256:")
+    assert (saved / "meta.json").exists(), "the table is saved for this node's other processes"
+    table = MemberTable.load(saved)
+    assert table is not None
+    row = table.lookup("train/cats", "1.jpg")
     assert isinstance(row, Entry) and row.pack_key is not None and row.pack_length == 1001
+    assert Namespace().members(mount) is not None, "another process opens the saved table"
     assert gpufeed.read("/p/train/cats/1.jpg") == bytes([1]) * 1001
     assert gpufeed.read("/p/empty.bin") == b""
     assert gpufeed.stat("/p/README").size == 7
@@ -225,7 +234,8 @@ def test_repack_after_a_change_and_refresh_the_packed_mount(bucket: Bucket, tmp_
     ns.refresh("/src")
     out = ok("pack", "/src", dest, "--shard-size", "8KiB", "--json", *opts(bucket))
     assert '"written": 1' in out and '"kept": 9' in out, out
-    ns.refresh("/p")
+    _, stats = ns.refresh("/p")
+    assert (stats.files, stats.added, stats.changed, stats.removed) == (20, 0, 1, 0)
     assert Client().read("/p/05.bin") == b"new" * 1000
     assert Client().read("/p/06.bin") == bytes([6]) * 3000
 

@@ -4,7 +4,8 @@ entry per such object recording its size and version (`layout.OBJECTS_DIR`), whi
 member read is pinned to. The read path then reads a member as a range of its shard, through
 the shard's cache blocks: nothing else reads or caches bytes.
 
-Three formats: a gpufeed pack (`gpufeed pack`; its index says where each member is); a
+Three formats: a gpufeed pack (`gpufeed pack`; its index says where each member is, and its
+members are not rows but a member table built from the index, `pack.members`); a
 WebDataset tar set read in place (each `*.tar` at the source root; where each member is comes
 from the tar headers, read once at mount time); a Mosaic MDS directory read in place
 (`index.json` and uncompressed `.mds` shards): sample n's column c is the file `{n:08d}.{c}`,
@@ -14,16 +15,20 @@ size header.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import json
 import struct
 import tarfile
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
-from gpufeed.errors import InvalidArgument, PackError, SourceError
+from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing, PackError, SourceError
 from gpufeed.pack import index as idx
 from gpufeed.pack.layout import DIR, FORMATS, INDEX_KEY, object_entry
+from gpufeed.pack.members import MemberTable
 from gpufeed.sources.base import ObjectInfo, Source
 
 BATCH = 10_000
@@ -52,8 +57,6 @@ def detect(source: Source, requested: str) -> str:
 
 def listing(source: Source, fmt: str) -> Iterator[list[ObjectInfo]]:
     """What a mount of `source` in format `fmt` lists into its manifest, in batches."""
-    if fmt == "gpufeed-pack":
-        return _pack(source)
     if fmt == "webdataset":
         return _webdataset(source)
     if fmt == "mds":
@@ -66,30 +69,48 @@ def _table(info: ObjectInfo) -> ObjectInfo:
     return replace(info, key=f"{parent}/{name}")
 
 
-def _pack(source: Source) -> Iterator[list[ObjectInfo]]:
+def pack_rows(source: Source) -> tuple[list[ObjectInfo], MemberTable]:
+    """A gpufeed pack's manifest rows and its member table. The rows are hidden: one per shard
+    and one for the index, whose content hash names the table (`member_table` finds or builds
+    it again from that row on any node); the members are in the table, not in rows."""
     objects = {info.key: info for batch in source.list() for info in batch if info.key.startswith(DIR + "/")}
     where = f"{source.url}/{INDEX_KEY}"
     found = objects.get(INDEX_KEY)
     if found is None:
         raise PackError(f"{where}: no pack index (was 'gpufeed pack' interrupted? run it again)")
-    index = idx.decode(source.get_range(INDEX_KEY, 0, found.size, found), where)
+    data = source.get_range(INDEX_KEY, 0, found.size, found)
+    index = idx.decode(data, where)
     for key, size in zip(index.shards, index.shard_sizes, strict=True):
         shard = objects.get(key)
         if shard is None or shard.size != size:
             now = "missing" if shard is None else f"{shard.size} bytes"
             raise PackError(f"{source.url}/{key}: shard {now}, the index says {size} bytes; run 'gpufeed pack' again")
-    yield [_table(objects[key]) for key in index.shards]
-    paths, shards, digests = index.paths, index.shards, index.sha256
-    shard_of, offsets, lengths, mtimes = (a.tolist() for a in (index.shard_of, index.offsets, index.lengths, index.mtimes))
-    by_entry = sorted(range(len(paths)), key=lambda n: paths[n].rpartition("/")[::2])
-    for start in range(0, len(by_entry), BATCH):  # in the manifest's key order: its B-tree grows at one end
-        yield [
-            ObjectInfo(
-                paths[n], lengths[n], mtimes[n], None, f"sha256:{digests[32 * n : 32 * n + 32].hex()}",
-                shards[shard_of[n]], offsets[n], lengths[n],
-            )
-            for n in by_entry[start : start + BATCH]
-        ]
+    indexed = replace(found, content_hash=f"sha256:{hashlib.sha256(data).hexdigest()}")
+    return [_table(objects[key]) for key in index.shards] + [_table(indexed)], MemberTable.build(index)
+
+
+def member_table(source: Source, row: ObjectInfo, tables: Path) -> MemberTable:
+    """The member table of the pack whose index the manifest recorded as `row`: the one saved
+    under `tables` by whoever mounted it on this node, else built from the index (that version,
+    checked against the recorded sha256) and saved for the node's other processes. A home that
+    cannot be written keeps it in this process only."""
+    assert row.content_hash is not None
+    name = row.content_hash.removeprefix("sha256:")
+    table = MemberTable.load(tables / name)
+    if table is not None:
+        return table
+    where = f"{source.url}/{INDEX_KEY}"
+    changed = PackError(f"{where}: the index changed since it was mounted; run 'gpufeed mount refresh'")
+    try:
+        data = source.get_range(INDEX_KEY, 0, row.size, replace(row, key=INDEX_KEY))
+    except (ObjectChanged, ObjectMissing):
+        raise changed from None
+    if hashlib.sha256(data).hexdigest() != name:
+        raise changed
+    table = MemberTable.build(idx.decode(data, where))
+    with contextlib.suppress(OSError):
+        table.save(tables / name)
+    return table
 
 
 def _webdataset(source: Source) -> Iterator[list[ObjectInfo]]:
