@@ -59,6 +59,18 @@ def test_directories_are_implied_by_keys(namespace: Namespace) -> None:
     assert engine.lookup(gen + 1000, "a/b", "c.bin") is None
 
 
+def test_lookup_many_finds_a_batch_of_one_directory(namespace: Namespace) -> None:
+    names = [f"{n:04d}.bin" for n in range(1200)]  # more than one SQLite batch
+    gen = write(namespace, *(f"d/{name}" for name in names), "d/sub/x", "e/0000.bin")
+    engine = namespace.engine
+    asked = [*names[::-1], "missing", "sub"]
+    found = engine.lookup_many(gen, "d", asked)
+    assert sorted(found) == sorted([*names, "sub"])
+    assert all(found[name] == engine.lookup(gen, "d", name) for name in asked if name in found)
+    assert found["sub"].is_dir
+    assert engine.lookup_many(gen, "d", []) == {} and engine.lookup_many(gen + 1000, "d", names[:3]) == {}
+
+
 def test_walk_orders_by_parent_then_name_and_respects_prefix(namespace: Namespace) -> None:
     gen = write(namespace, "b/2", "a/1", "a/x/3", "ab/4", "a0", "z")
     keys = [e.key for e in namespace.engine.walk(gen, "")]

@@ -165,6 +165,15 @@ def test_bad_inputs_one_line(bucket: Bucket, tmp_path: Path, dataset: Path) -> N
     )
 
 
+def test_a_file_changed_since_its_listing_stops_the_pack_in_one_line(tmp_path: Path, dataset: Path) -> None:
+    Namespace().add_mount("/data", f"file://{dataset}")
+    (dataset / "train" / "dogs" / "1.jpg").write_bytes(b"longer than it was listed" * 100)
+    line = fails(1, "pack", "/data", f"file://{tmp_path}/p")
+    assert "/data/train/dogs/1.jpg: changed at the source since mount /data was listed" in line, line
+    assert line.endswith("run 'gpufeed mount refresh /data'"), line
+    assert not (tmp_path / "p" / INDEX_KEY).exists(), "no index: nothing claims the pack is whole"
+
+
 def test_members_are_a_member_table_and_the_manifest_pins_the_index(bucket: Bucket, tmp_path: Path, dataset: Path) -> None:
     ns = Namespace()
     ns.add_mount("/data", f"file://{dataset}")

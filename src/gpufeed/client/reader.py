@@ -50,6 +50,7 @@ from gpufeed.rpc.messages import (
 )
 from gpufeed.sources import ObjectInfo, Source
 from gpufeed.sources.credentials import caller_credentials
+from gpufeed.sources.local import LocalSource
 
 log = logging.getLogger("gpufeed")
 T = TypeVar("T")
@@ -207,11 +208,14 @@ class Client:
 
     def _explain(self, handle: ObjectHandle, exc: Exception) -> Exception:
         """Name the namespace path and the way out in a source error about one object."""
+        return self._explain_path(handle.path, handle.mount.path, exc)
+
+    @staticmethod
+    def _explain_path(path: str, mount: str, exc: Exception) -> Exception:
         if isinstance(exc, (ObjectMissing, ObjectChanged)):
             what = "deleted" if isinstance(exc, ObjectMissing) else "changed"
             return type(exc)(
-                f"{handle.path}: {what} at the source since mount {handle.mount.path} was listed "
-                f"({exc}); run 'gpufeed mount refresh {handle.mount.path}'"
+                f"{path}: {what} at the source since mount {mount} was listed ({exc}); run 'gpufeed mount refresh {mount}'"
             )
         return exc
 
@@ -445,6 +449,32 @@ class Client:
             for n, data in zip(missed, got, strict=True):
                 out[n] = data
         return out  # type: ignore[return-value]
+
+    def read_once_into(self, paths: Sequence[str], targets: Sequence[memoryview]) -> list[int]:
+        """`read_once` into the caller's buffers, one per path; returns each file's size and
+        reads only the files whose size is their buffer's (the caller names a mismatch). A file
+        of a local directory is read straight into its buffer by one `preadv`, pinned to the
+        manifest's version and checked as `read_uncached` reads it, with no handle (its cache
+        blocks are never read); the others are copied in from `read_once`."""
+        sizes: list[int] = []
+        rest: list[int] = []
+        opened = self.namespace.open_objects(paths)
+        for n, ((where, source, info), target) in enumerate(zip(opened, targets, strict=True)):
+            sizes.append(info.size if info.pack_key is None else info.pack_length or 0)
+            if sizes[-1] != len(target) or sizes[-1] == 0:
+                continue
+            if not isinstance(source, LocalSource) or info.pack_key is not None:
+                rest.append(n)
+                continue
+            try:
+                source.get_range_into(info.key, 0, target, info, conditional=not where.mount.immutable)
+            except (ObjectMissing, ObjectChanged) as exc:
+                raise self._explain_path(f"{where.mount.path}/{where.key}", where.mount.path, exc) from exc
+            self.source_bytes += len(target)
+            self.direct_bytes += len(target)
+        for n, data in zip(rest, self.read_once([paths[n] for n in rest]), strict=True):
+            targets[n][:] = data
+        return sizes
 
     def _direct_many(self, ranges: dict[tuple[int, int], tuple[ObjectHandle, int, int]]) -> dict[tuple[int, int], memoryview]:
         """Source reads. A range of an object the manifest holds a content hash for is cut from

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -132,6 +132,11 @@ class MetaEngine(Protocol):
     def drop_generation(self, generation: int) -> None: ...
 
     def lookup(self, generation: int, parent: str, name: str) -> Entry | None: ...
+
+    def lookup_many(self, generation: int, parent: str, names: Sequence[str]) -> dict[str, Entry]:
+        """The entries of `names` under `parent` that exist, by name: a batch of files of one
+        directory in one round trip instead of one each."""
+        ...
 
     def listdir(self, generation: int, parent: str) -> list[Entry]:
         """Entries directly under `parent`, sorted by name."""

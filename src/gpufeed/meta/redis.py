@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import cast
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
@@ -160,6 +160,12 @@ class RedisEngine:
     def lookup(self, generation: int, parent: str, name: str) -> Entry | None:
         raw = cast("str | None", self._r.hget(self._dir(generation, parent), name))
         return _decode(parent, name, raw) if raw is not None else None
+
+    def lookup_many(self, generation: int, parent: str, names: Sequence[str]) -> dict[str, Entry]:
+        if not names:
+            return {}
+        raws = cast("list[str | None]", self._r.hmget(self._dir(generation, parent), list(names)))
+        return {name: _decode(parent, name, raw) for name, raw in zip(names, raws, strict=True) if raw is not None}
 
     def listdir(self, generation: int, parent: str) -> list[Entry]:
         mapping = cast("dict[str, str]", self._r.hgetall(self._dir(generation, parent)))

@@ -24,7 +24,7 @@ import inspect
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 from urllib.parse import quote
@@ -88,6 +88,8 @@ _IN_SQLITE = threading.RLock()
 """Held by every call into SQLite in this process, and by `os.fork` while it forks."""
 os.register_at_fork(before=_IN_SQLITE.acquire, after_in_parent=_IN_SQLITE.release, after_in_child=_IN_SQLITE.release)
 WALK_BATCH = 1024
+LOOKUP_BATCH = 500
+"""Names bound in one `lookup_many` query (SQLite allows 32,766 variables; a smaller batch keeps a statement cheap to prepare)."""
 
 
 def _fork_safe(cls: type[T]) -> type[T]:
@@ -328,6 +330,18 @@ class SqliteEngine:
             (generation, parent, name),
         ).fetchone()
         return _entry(row) if row else None
+
+    def lookup_many(self, generation: int, parent: str, names: Sequence[str]) -> dict[str, Entry]:
+        found: dict[str, Entry] = {}
+        for start in range(0, len(names), LOOKUP_BATCH):
+            chunk = names[start : start + LOOKUP_BATCH]
+            marks = ", ".join("?" * len(chunk))
+            rows = self._db.execute(
+                f"SELECT {self._columns} FROM entries WHERE generation = ? AND parent = ? AND name IN ({marks})",
+                (generation, parent, *chunk),
+            ).fetchall()
+            found.update((entry.name, entry) for entry in map(_entry, rows))
+        return found
 
     def listdir(self, generation: int, parent: str) -> list[Entry]:
         rows = self._db.execute(

@@ -16,6 +16,7 @@ any read) and writes to its own handle on the destination store.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import multiprocessing
 import os
 import queue
@@ -69,23 +70,24 @@ def _batches(task: ShardTask) -> Iterator[range]:
 
 
 def write_shard(task: ShardTask, progress: Progress | None = None) -> bytes:
-    """Read the shard's members (batched, through the read path), hash them, PUT the shard and
-    then its digests; returns the digests."""
+    """Read the shard's members into their places in it (batched, through the read path), hash
+    them, PUT the shard and then its digests; returns the digests."""
     client = gpufeed.client()
     dest = open_source(task.dest_url, task.dest_options, client.settings)
-    buffer = bytearray(task.size)
+    buffer = mmap.mmap(-1, max(task.size, 1))  # zero pages faulted in as members land, no memset pass first
+    shard = memoryview(buffer)[: task.size]
     sums: list[bytes] = []
     for batch in _batches(task):
-        views = client.read_once([task.paths[n] for n in batch])
-        for n, view in zip(batch, views, strict=True):
-            if len(view) != task.sizes[n]:
-                listed = f"read {len(view)} bytes, the manifest lists {task.sizes[n]}"
+        targets = [shard[task.offsets[n] : task.offsets[n] + task.sizes[n]] for n in batch]
+        sizes = client.read_once_into([task.paths[n] for n in batch], targets)
+        for n, size, target in zip(batch, sizes, targets, strict=True):
+            if size != task.sizes[n]:
+                listed = f"it is {size} bytes, the manifest lists {task.sizes[n]}"
                 raise PackError(f"{task.paths[n]}: {listed}; run 'gpufeed mount refresh'")
-            buffer[task.offsets[n] : task.offsets[n] + len(view)] = view
-            sums.append(hashlib.sha256(view).digest())
+            sums.append(hashlib.sha256(target).digest())
         if progress is not None:
             progress(len(batch), sum(task.sizes[n] for n in batch))
-    dest.put(task.key, buffer)
+    dest.put(task.key, shard)
     digests = b"".join(sums)
     dest.put(digests_key(task.key), digests)
     return digests

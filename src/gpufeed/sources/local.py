@@ -36,9 +36,18 @@ class LocalSource(ObstoreSource):
         self, key: str, start: int, end: int, expect: ObjectInfo | None = None, *, conditional: bool = True
     ) -> memoryview:
         """Bytes [start, end) of `key` by one `preadv`, checked as `ObstoreSource.get_range`."""
-        return retry.call(self.retry, lambda: self._read(key, start, end, expect, conditional))
+        return retry.call(self.retry, lambda: self._read(key, start, end, expect, conditional, None))
 
-    def _read(self, key: str, start: int, end: int, expect: ObjectInfo | None, conditional: bool) -> memoryview:
+    def get_range_into(
+        self, key: str, start: int, target: memoryview, expect: ObjectInfo | None = None, *, conditional: bool = True
+    ) -> None:
+        """`get_range` of `len(target)` bytes read straight into `target` (a slice of a pack's
+        shard, say): no buffer of its own to allocate, fault in and copy out of."""
+        retry.call(self.retry, lambda: self._read(key, start, start + len(target), expect, conditional, target))
+
+    def _read(
+        self, key: str, start: int, end: int, expect: ObjectInfo | None, conditional: bool, target: memoryview | None
+    ) -> memoryview:
         where = self.where(key)
         try:
             fd = os.open(os.path.join(self.root, key), os.O_RDONLY | os.O_CLOEXEC)
@@ -55,8 +64,9 @@ class LocalSource(ObstoreSource):
                 raise ObjectChanged(f"{where}: the object changed at the source since it was listed ({changed})")
             if conditional and expect is not None and expect.mtime > 0 and info.st_mtime > expect.mtime + MTIME_SLACK_S:
                 raise ObjectChanged(f"{where}: the object changed at the source since it was listed")
-            buffer = bytearray(max(0, min(end, size) - start))
-            got = os.preadv(fd, [buffer], start) if buffer else 0
+            length = max(0, min(end, size) - start)
+            buffer = bytearray(length) if target is None else target[:length]
+            got = os.preadv(fd, [buffer], start) if length else 0
         except OSError as exc:
             raise self.translate(exc, key) from exc
         finally:
