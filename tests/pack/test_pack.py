@@ -25,6 +25,7 @@ from gpufeed.meta.base import Entry
 from gpufeed.namespace import Namespace
 from gpufeed.pack.layout import DIR, INDEX_KEY, object_entry
 from gpufeed.pack.members import MemberTable
+from gpufeed.pack.shards import ShardBuffers, ShardTask, write_shard
 from tests.cli.test_cli import fails, ok
 from tests.conftest import Bucket
 
@@ -172,6 +173,17 @@ def test_a_file_changed_since_its_listing_stops_the_pack_in_one_line(tmp_path: P
     assert "/data/train/dogs/1.jpg: changed at the source since mount /data was listed" in line, line
     assert line.endswith("run 'gpufeed mount refresh /data'"), line
     assert not (tmp_path / "p" / INDEX_KEY).exists(), "no index: nothing claims the pack is whole"
+
+
+def test_a_reused_shard_buffer_keeps_nothing_of_the_shard_before(tmp_path: Path, dataset: Path) -> None:
+    Namespace().add_mount("/data", f"file://{dataset}")
+    dogs = ["/data/train/dogs/0.jpg", "/data/train/dogs/1.jpg"]  # 2,000 and 2,001 bytes of 100 and 101
+    out = f"file://{tmp_path}/out"
+    (tmp_path / "out").mkdir()
+    buffers = ShardBuffers()
+    write_shard(ShardTask("s1", 8192, dogs, [2000, 2001], [0, 4096], out, {}), None, buffers)
+    write_shard(ShardTask("s2", 6000, dogs[1:], [2001], [2048], out, {}), None, buffers)  # where s1's bytes were
+    assert (tmp_path / "out" / "s2").read_bytes() == bytes(2048) + bytes([101]) * 2001 + bytes(6000 - 4049)
 
 
 def test_members_are_a_member_table_and_the_manifest_pins_the_index(bucket: Bucket, tmp_path: Path, dataset: Path) -> None:
