@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import posixpath
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -43,6 +44,8 @@ from gpufeed.sources import Source, open_source
 from gpufeed.sources.base import ObjectInfo, same_version
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from gpufeed.pack.members import MemberTable
 
 
@@ -289,6 +292,8 @@ class Namespace:
         self._save_table(table, rows[-1])
         mount, stats = write_manifest(self.engine, mount, source, create=True, listing=[rows])
         stats.files, stats.bytes, stats.skipped, stats.added = table.files, table.bytes, table.skipped, table.files
+        if listed is not None:
+            listed(stats)
         return mount, stats
 
     def refresh(self, path: str, listed: Callable[[ManifestStats], None] | None = None) -> tuple[Mount, ManifestStats]:
@@ -308,11 +313,15 @@ class Namespace:
                 old = self.members(mount)
             except PackError:  # its index is gone or changed in the store: all is counted as added
                 old = None
+            before = self._table_name(mount)
             rows, table = mounting.pack_rows(source)
             self._save_table(table, rows[-1])
             mount, stats = write_manifest(self.engine, mount, source, create=False, listing=[rows])
+            self._drop_table(before)
             stats.files, stats.bytes, stats.skipped, stats.kept_hashes = table.files, table.bytes, table.skipped, 0
             stats.added, stats.changed, stats.removed = table.changes(old) if old is not None else (table.files, 0, 0)
+            if listed is not None:
+                listed(stats)
             return mount, stats
         finally:
             self._forget_mounts()  # a reader in another thread may have cached the old table meanwhile
@@ -320,9 +329,11 @@ class Namespace:
     def remove_mount(self, path: str) -> Mount:
         mount = self.mount(path)
         self.engine.check_writable()
+        table = self._table_name(mount)
         self.engine.delete_mount(mount.path)
         self._forget_mounts()
         self.engine.drop_generation(mount.generation)
+        self._drop_table(table)
         return mount
 
     def record_hashes(self, mount_path: str, generation: int, infos: list[ObjectInfo]) -> int:
@@ -385,6 +396,34 @@ class Namespace:
         table = mounting.member_table(self.source(mount), row.object_info(), self._tables_dir())
         self._tables[mount.path] = (mount.generation, table)
         return table
+
+    def member_files(self, path: str) -> tuple[Mount, MemberTable, np.ndarray] | None:
+        """For a directory of a gpufeed-pack mount: the mount, its member table and the numbers
+        of the files under it, in `walk` order (a dataset's index of a million members built
+        from the table's columns, with no object per file); None for any other path."""
+        where = self.resolve(normalize(path))
+        table = None if where is None else self.members(where.mount)
+        if where is None or table is None:
+            return None
+        if where.key:
+            entry = table.lookup(*where.split)
+            if entry is None or not entry.is_dir:
+                return None
+        return where.mount, table, table.files_under(where.key)
+
+    def _table_name(self, mount: Mount) -> str | None:
+        """The member table a gpufeed-pack mount's generation names: its index's sha256."""
+        if mount.options.get("format") != "gpufeed-pack":
+            return None
+        row = self.engine.lookup(mount.generation, *object_entry(PACK_INDEX))
+        return None if row is None or row.content_hash is None else row.content_hash.removeprefix("sha256:")
+
+    def _drop_table(self, name: str | None) -> None:
+        """Remove this node's copy of a member table no mount names any more (a process that
+        has it open keeps its mapping; other nodes' copies go with their own removal)."""
+        if name is None or any(self._table_name(other) == name for other in self.mounts(fresh=True)):
+            return
+        shutil.rmtree(self._tables_dir() / name, ignore_errors=True)
 
     def _lookup(self, mount: Mount, parent: str, name: str) -> Entry | None:
         table = self.members(mount)

@@ -12,6 +12,7 @@ import gpufeed
 from gpufeed.client import Client
 from gpufeed.config import Settings
 from gpufeed.errors import PackError
+from gpufeed.integrations.torch.index import FileIndex
 from gpufeed.meta.base import Entry
 from gpufeed.meta.manifest import ManifestStats, entries_from_listing
 from gpufeed.meta.sqlite import SqliteEngine
@@ -112,3 +113,44 @@ def test_a_home_that_cannot_hold_tables_keeps_them_in_the_process(tmp_path: Path
     fresh = Namespace()
     assert fresh.stat("/p/train/cats/1.jpg").size == 1001
     assert [f.path for f in fresh.walk("/p/train/cats")] == [f"/p/train/cats/{n}.jpg" for n in range(3)]
+
+
+def test_a_dataset_index_from_the_table_equals_one_walked_file_by_file(
+    tmp_path: Path, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ns = Namespace()
+    ns.add_mount("/data", f"file://{dataset}")
+    ok("pack", "/data", f"file://{tmp_path}/p", "--shard-size", "4KiB")  # several shards
+    ns.add_mount("/p", f"file://{tmp_path}/p", {"block_size": "64KiB"})
+    roots = ["/p/train", "/data/README", "/p", "/p/train/dogs/1.jpg", "/p/train/cats"]
+    client = gpufeed.client()
+    assert client.namespace.member_files("/p/train") is not None and client.namespace.member_files("/data") is None
+    fast = FileIndex.build(roots, client)
+    monkeypatch.setattr(Namespace, "member_files", lambda self, path: None)
+    walked = FileIndex.build(roots, client)
+    assert list(fast.paths) == list(walked.paths) and len(fast) == 6 + 1 + 8 + 1 + 3
+    assert fast.sizes.tolist() == walked.sizes.tolist()
+    assert fast.blocks.tolist() == walked.blocks.tolist()
+    assert len(set(fast.blocks.tolist())) > 2, "members of several shards"
+
+
+def test_a_table_no_mount_names_is_removed(tmp_path: Path, dataset: Path) -> None:
+    ns = Namespace()
+    ns.add_mount("/data", f"file://{dataset}")
+    ok("pack", "/data", f"file://{tmp_path}/p")
+    ns.add_mount("/p", f"file://{tmp_path}/p")
+    ns.add_mount("/q", f"file://{tmp_path}/p")  # the same pack twice: one table
+    tables = Settings.from_env().home / "packs"
+    (first,) = tables.iterdir()
+    (dataset / "README").write_bytes(b"a new readme\n")
+    ns.refresh("/data")
+    ok("pack", "/data", f"file://{tmp_path}/p")
+    ns.refresh("/p")
+    assert first.exists(), "/q still names it"
+    assert len(list(tables.iterdir())) == 2
+    ns.remove_mount("/q")
+    (second,) = tables.iterdir()
+    assert second != first
+    assert Client().read("/p/README") == b"a new readme\n"
+    ns.remove_mount("/p")
+    assert list(tables.iterdir()) == []

@@ -230,17 +230,40 @@ class MemberTable:
         start, end = self._range(parent)
         return self.entries(np.arange(start, end, dtype=np.int64))
 
-    def walk(self, prefix: str) -> Iterator[Entry]:
-        """Files under directory `prefix` ('' for all), ordered by (parent, name)."""
+    def files_under(self, prefix: str) -> np.ndarray:
+        """Entry numbers of the files under directory `prefix` ('' for all), in (parent, name) order."""
         if prefix == "":
             spans = [(0, len(self))]
         else:  # its own entries, then every entry whose parent lies in [prefix/, prefix0)
             parents = _Parents(self)
             spans = [self._range(prefix), (bisect.bisect_left(parents, prefix + "/"), bisect.bisect_left(parents, prefix + "0"))]
-        for start, end in spans:
-            for chunk in range(start, end, WALK_CHUNK):
-                stop = min(chunk + WALK_CHUNK, end)
-                yield from self.entries(chunk + np.flatnonzero(np.asarray(self._member[chunk:stop]) >= 0))
+        found = [start + np.flatnonzero(self._member[start:end] >= 0) for start, end in spans if end > start]
+        return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+
+    def walk(self, prefix: str) -> Iterator[Entry]:
+        """Files under directory `prefix` ('' for all), ordered by (parent, name)."""
+        files = self.files_under(prefix)
+        for chunk in range(0, len(files), WALK_CHUNK):
+            yield from self.entries(files[chunk : chunk + WALK_CHUNK])
+
+    def columns(self, files: np.ndarray, prefix: bytes) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(paths as one UTF-8 buffer, their end offsets, sizes, shard numbers, offsets in the
+        shard) of the files numbered `files`, each path `prefix` + its key: a dataset's index
+        of a million members without a Python object each."""
+        starts, ends = self._starts[files], self._starts[files + 1]
+        lengths = ends - starts
+        out_ends = np.cumsum(lengths + len(prefix))
+        total = int(out_ends[-1]) if len(files) else 0
+        out = np.empty(total, dtype=np.uint8)
+        begins = out_ends - lengths  # where each key goes, after its prefix
+        for k, byte in enumerate(prefix):
+            out[begins - len(prefix) + k] = byte
+        within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out[np.repeat(begins, lengths) + within] = self._blob[np.repeat(starts, lengths) + within]
+        rows = self._member[files]
+        a = self._a
+        sizes, shards, offsets = (a[name][rows].astype(np.int64) for name in ("length", "shard", "offset"))
+        return out.tobytes(), out_ends, sizes, shards, offsets
 
     def file_hashes(self) -> tuple[np.ndarray, np.ndarray]:
         """(xxh3-64 of each file's key, its member row), sorted by hash: what `changes` compares."""

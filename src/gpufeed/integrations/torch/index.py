@@ -89,6 +89,22 @@ class _Blocks:
             self._next += 1
         return found
 
+    def of_members(self, mount: str, shards: list[str], shard_of: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """`of` for a run of a packed mount's members (shard numbers, offsets in the shard), the
+        ids handed out in the order their blocks first appear, as `of` would one by one."""
+        block_size = self._block_sizes.get(mount) or self._block_size(mount)
+        keys = shard_of * (1 << 40) + offsets // block_size
+        unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        ids = np.empty(len(unique), dtype=np.int64)
+        for u in np.argsort(first, kind="stable").tolist():
+            key = (mount, shards[int(unique[u]) >> 40], int(unique[u]) & ((1 << 40) - 1))
+            found = self._ids.get(key)
+            if found is None:
+                found = self._ids[key] = self._next
+                self._next += 1
+            ids[u] = found
+        return ids[inverse.reshape(-1)]
+
     def _block_size(self, mount: str) -> int:
         where = self._client.namespace.resolve(mount)
         if where is None:
@@ -110,21 +126,38 @@ class FileIndex:
     @classmethod
     def build(cls, paths_or_dir: str | Sequence[str], client: Client) -> FileIndex:
         roots = _roots(paths_or_dir)
-        blob = bytearray()
-        offsets = array("q", [0])
-        sizes = array("q")
-        blocks = array("q")
+        blobs: list[bytes] = []
+        ends: list[np.ndarray] = []
+        sizes: list[np.ndarray] = []
+        blocks: list[np.ndarray] = []
         block_of = _Blocks(client)
+        done = 0
         for root in roots:
-            for item in client.walk(root):
-                blob += item.path.encode()
-                offsets.append(len(blob))
-                sizes.append(item.size)
-                blocks.append(block_of.of(item))
-        if not sizes:
+            packed = client.namespace.member_files(root)
+            if packed is not None:  # a pack's directory: its member table's columns, no object per file
+                mount, members, files = packed
+                blob, root_ends, root_sizes, shard_of, offsets = members.columns(files, f"{mount.path}/".encode())
+                blocks.append(block_of.of_members(mount.path, members.shards, shard_of, offsets))
+            else:
+                paths, lengths, listed, ids = bytearray(), array("q"), array("q"), array("q")
+                for item in client.walk(root):
+                    encoded = item.path.encode()
+                    paths += encoded
+                    lengths.append(len(encoded))
+                    listed.append(item.size)
+                    ids.append(block_of.of(item))
+                blob, root_sizes = bytes(paths), np.frombuffer(listed, dtype=np.int64)
+                root_ends = np.cumsum(np.frombuffer(lengths, dtype=np.int64))
+                blocks.append(np.frombuffer(ids, dtype=np.int64))
+            blobs.append(blob)
+            ends.append(root_ends + done)
+            sizes.append(root_sizes)
+            done += len(blob)
+        if not sum(map(len, sizes)):
             raise InvalidArgument(f"{', '.join(roots)}: no files to read")
-        table = PathTable(np.frombuffer(bytes(blob), dtype=np.uint8), np.frombuffer(offsets, dtype=np.int64))
-        return cls(table, np.frombuffer(sizes, dtype=np.int64), np.frombuffer(blocks, dtype=np.int64))
+        offsets_all = np.concatenate([np.zeros(1, dtype=np.int64), *ends])
+        paths_all = PathTable(np.frombuffer(b"".join(blobs), dtype=np.uint8), offsets_all)
+        return cls(paths_all, np.concatenate(sizes), np.concatenate(blocks))
 
     def __len__(self) -> int:
         return len(self.sizes)
