@@ -137,7 +137,7 @@ class Loop:
     epochs: list[Epoch] = field(default_factory=list)
 
 
-SERVICES = {"shaper": ("gpufeed.bench.shaper",), "store": ("nginx", "moto_server")}
+SERVICES = {"shaper": ("gpufeed.bench.shaper",), "store": ("nginx", "moto_server", "s3rver")}
 
 
 def cpu_s(pid: int) -> float:

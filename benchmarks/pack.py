@@ -246,7 +246,8 @@ def training(work: Path, root: Path, args: argparse.Namespace) -> None:
     print(f"\ntraining from S3 ({args.store}) {args.latency_ms:g} ms away: {len(paths):,} JPEGs, batch {args.batch}, "
           f"{args.workers} workers, "
           f"accelerator step {step_s * 1000:.0f} ms (local disk alone feeds {data_only.samples_s:,.0f} samples/s)")
-    print(f"{'loop':<34} {'epoch':>5} {'samples/s':>10} {'busy':>6} {'vs local':>9} {'GETs':>7}")
+    print(f"{'loop':<34} {'epoch':>5} {'samples/s':>10} {'busy':>6} {'vs local':>9} {'GETs':>7} {'agent CPU s':>12} "
+          f"{'store+shaper CPU s':>19}")
     rows: list[tuple[str, int, Epoch, int | None]] = []
 
     def loop(name: str, make: Callable[[int], Any], gets: Gets | None) -> None:
@@ -280,8 +281,11 @@ def training(work: Path, root: Path, args: argparse.Namespace) -> None:
     local = statistics.mean(e.samples_s for name, _, e, _ in rows if name.startswith("local disk"))
     for name, epoch, result, count in rows:
         print(f"{name:<34} {epoch:>5} {result.samples_s:>10,.0f} {result.busy:>6.1%} {result.samples_s / local:>8.2f}x "
-              f"{'' if count is None else f'{count:,}':>7}")
-    print("vs local: to the mean of the local-disk loops before and after the others")
+              f"{'' if count is None else f'{count:,}':>7} {result.cpu_s['agent']:>12.2f} "
+              f"{result.cpu_s['store'] + result.cpu_s['shaper']:>19.2f}")
+    print("vs local: to the mean of the local-disk loops before and after the others; CPU: seconds the node agent, and "
+          "the store server and latency shaper this run hosts beside the loop (a real node hosts neither), spent in the "
+          "epoch")
 
 
 def main() -> None:

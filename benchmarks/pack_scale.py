@@ -6,9 +6,9 @@ index costs DataLoader workers in memory.
 The pack is written directly with gpufeed's own planner and index encoder (a million real files
 would take ext4 longer to create than everything measured here): members of --size random
 bytes under 1,000 class directories, 256 MiB shards, on local disk. Then, in one run:
-- `mount add` of the pack (the index read, checked and listed into the SQLite manifest), timed;
+- `mount add` of the pack (the index read and checked, its member table built and saved), timed;
 - `stat` of --stats members picked at random, each timed alone: p50, p99, max;
-- FeedDataset over the mount (one manifest walk into numpy buffers), timed, with its size;
+- FeedDataset over the mount (the member table's columns into numpy buffers), timed, with its size;
 - a DataLoader reading --samples random members with 2 and then 8 workers (fork, not
   persistent): while it runs, each process's memory from /proc/PID/smaps_rollup. Printed: the
   main process's RSS, each worker's private memory (what it does not share with the main
@@ -132,7 +132,7 @@ def main() -> None:
         client.agent.stats()
         started = time.perf_counter()
         client.namespace.add_mount("/big", f"file://{root}")
-        print(f"mount add (index read, checked, listed into the manifest): {time.perf_counter() - started:.1f} s", flush=True)
+        print(f"mount add (index read, checked, member table built): {time.perf_counter() - started:.1f} s", flush=True)
 
         namespace = gpufeed.client().namespace
         picked = random.Random(1).sample(paths, args.stats)

@@ -388,8 +388,8 @@ class Namespace:
         cached = self._tables.get(mount.path)
         if cached is not None and cached[0] == mount.generation:
             return cached[1]
-        row = self.engine.lookup(mount.generation, *object_entry(PACK_INDEX))
-        if row is None or row.content_hash is None:
+        row = self._index_row(mount)
+        if row is None:
             return None
         from gpufeed.pack import mounting
 
@@ -411,11 +411,15 @@ class Namespace:
                 return None
         return where.mount, table, table.files_under(where.key)
 
-    def _table_name(self, mount: Mount) -> str | None:
-        """The member table a gpufeed-pack mount's generation names: its index's sha256."""
+    def _index_row(self, mount: Mount) -> Entry | None:
+        """The manifest row of a gpufeed-pack mount's index, whose content hash names its member table."""
         if mount.options.get("format") != "gpufeed-pack":
             return None
         row = self.engine.lookup(mount.generation, *object_entry(PACK_INDEX))
+        return None if row is None or row.content_hash is None else row
+
+    def _table_name(self, mount: Mount) -> str | None:
+        row = self._index_row(mount)
         return None if row is None or row.content_hash is None else row.content_hash.removeprefix("sha256:")
 
     def _drop_table(self, name: str | None) -> None:

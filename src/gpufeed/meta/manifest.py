@@ -34,7 +34,7 @@ class ManifestStats:
     """On refresh: content hashes carried over from unchanged objects."""
 
 
-def _usable(key: str) -> bool:
+def usable_key(key: str) -> bool:
     """Keys a namespace path can name; '..', '.' and empty components could never be reached."""
     wrapped = f"/{key}/"  # an empty, '.' or '..' component shows as '//', '/./' or '/../'
     return "//" not in wrapped and "/./" not in wrapped and "/../" not in wrapped and "\0" not in key
@@ -49,7 +49,7 @@ def entries_from_listing(
     out: list[Entry] = []
     for batch in batches:
         for info in batch:
-            if not _usable(info.key):
+            if not usable_key(info.key):
                 stats.skipped += 1
                 continue
             parent = info.key.rpartition("/")[0]

@@ -27,6 +27,7 @@ import numpy as np
 import xxhash
 
 from gpufeed.meta.base import Entry
+from gpufeed.meta.manifest import usable_key
 from gpufeed.pack.index import Index
 
 COLUMNS = ("blob", "starts", "hashes", "by_hash", "member", "children", "shard", "offset", "length", "mtime", "sha256")
@@ -49,11 +50,6 @@ class TableMeta(msgspec.Struct, frozen=True):
     skipped: int
 
 
-def _usable(path: str) -> bool:
-    wrapped = f"/{path}/"
-    return "//" not in wrapped and "/./" not in wrapped and "/../" not in wrapped and "\0" not in path
-
-
 class MemberTable:
     """The members of one pack, as the manifest of the mount showing them."""
 
@@ -71,7 +67,7 @@ class MemberTable:
     def build(cls, index: Index) -> MemberTable:
         """The table of `index`'s members and the directories their paths imply; members whose
         path no namespace path could name ('..', empty components) are left out and counted."""
-        usable = [n for n, path in enumerate(index.paths) if _usable(path)]
+        usable = [n for n, path in enumerate(index.paths) if usable_key(path)]
         split = [index.paths[n].rpartition("/") for n in usable]
         parents = {parent for parent, _, _ in split if parent}
         dirs = set()
