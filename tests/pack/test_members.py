@@ -74,12 +74,18 @@ def test_changes_count_added_changed_and_removed_files() -> None:
     assert old.changes(old) == (0, 0, 0)
 
 
-def test_a_node_without_the_table_rebuilds_it_from_the_pinned_index(tmp_path: Path, dataset: Path) -> None:
+def mounted_pack(tmp_path: Path, dataset: Path) -> tuple[Namespace, Path]:
+    """`dataset` mounted at /data, packed to tmp_path/p and that mounted at /p; and where this
+    node keeps member tables."""
     ns = Namespace()
     ns.add_mount("/data", f"file://{dataset}")
     ok("pack", "/data", f"file://{tmp_path}/p")
     ns.add_mount("/p", f"file://{tmp_path}/p")
-    tables = Settings.from_env().home / "packs"
+    return ns, Settings.from_env().home / "packs"
+
+
+def test_a_node_without_the_table_rebuilds_it_from_the_pinned_index(tmp_path: Path, dataset: Path) -> None:
+    ns, tables = mounted_pack(tmp_path, dataset)
     (saved,) = tables.iterdir()
     shutil.rmtree(saved)  # as on a node that did not mount it (the manifest is shared through Redis)
     fresh = Namespace()
@@ -103,11 +109,7 @@ def test_a_node_without_the_table_rebuilds_it_from_the_pinned_index(tmp_path: Pa
 
 
 def test_a_home_that_cannot_hold_tables_keeps_them_in_the_process(tmp_path: Path, dataset: Path) -> None:
-    ns = Namespace()
-    ns.add_mount("/data", f"file://{dataset}")
-    ok("pack", "/data", f"file://{tmp_path}/p")
-    ns.add_mount("/p", f"file://{tmp_path}/p")
-    tables = Settings.from_env().home / "packs"
+    ns, tables = mounted_pack(tmp_path, dataset)
     shutil.rmtree(tables)
     tables.write_text("not a directory")  # saving under it fails with an OSError
     fresh = Namespace()
@@ -135,12 +137,8 @@ def test_a_dataset_index_from_the_table_equals_one_walked_file_by_file(
 
 
 def test_a_table_no_mount_names_is_removed(tmp_path: Path, dataset: Path) -> None:
-    ns = Namespace()
-    ns.add_mount("/data", f"file://{dataset}")
-    ok("pack", "/data", f"file://{tmp_path}/p")
-    ns.add_mount("/p", f"file://{tmp_path}/p")
+    ns, tables = mounted_pack(tmp_path, dataset)
     ns.add_mount("/q", f"file://{tmp_path}/p")  # the same pack twice: one table
-    tables = Settings.from_env().home / "packs"
     (first,) = tables.iterdir()
     (dataset / "README").write_bytes(b"a new readme\n")
     ns.refresh("/data")
