@@ -420,7 +420,7 @@ class Namespace:
 
     def _table_name(self, mount: Mount) -> str | None:
         row = self._index_row(mount)
-        return None if row is None or row.content_hash is None else row.content_hash.removeprefix("sha256:")
+        return None if row is None else (row.content_hash or "").removeprefix("sha256:")
 
     def _drop_table(self, name: str | None) -> None:
         """Remove this node's copy of a member table no mount names any more (a process that

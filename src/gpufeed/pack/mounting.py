@@ -31,7 +31,6 @@ from gpufeed.pack.layout import DIR, FORMATS, INDEX_KEY, object_entry
 from gpufeed.pack.members import MemberTable
 from gpufeed.sources.base import ObjectInfo, Source
 
-BATCH = 10_000
 TAR_WINDOW = 4 << 20
 """Bytes one ranged GET brings while tar headers are read: small members' headers come many to a
 read, a big member's data is skipped."""
@@ -56,7 +55,8 @@ def detect(source: Source, requested: str) -> str:
 
 
 def listing(source: Source, fmt: str) -> Iterator[list[ObjectInfo]]:
-    """What a mount of `source` in format `fmt` lists into its manifest, in batches."""
+    """What a mount of `source` in format `fmt` lists into its manifest, in batches (a gpufeed
+    pack lists no members: `pack_rows`)."""
     if fmt == "webdataset":
         return _webdataset(source)
     if fmt == "mds":
