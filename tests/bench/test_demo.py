@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -19,6 +20,17 @@ import pytest
 from gpufeed.bench.demo import demo_workload
 from gpufeed.bench.runner import OWNER, scratch_dir
 from tests.bench.helpers import gpufeed, one_error_line
+
+
+@pytest.fixture
+def temp() -> Iterator[Path]:
+    """An empty TMPDIR for the demo, short: multiprocessing puts its forkserver's socket in it,
+    and a socket path has at most 107 bytes (a test's tmp_path under a parallel run has ~80)."""
+    path = Path(tempfile.mkdtemp(prefix="gfd-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _children() -> dict[int, int]:
@@ -69,9 +81,8 @@ ROW = re.compile(
 )
 
 
-def test_quick_demo_prints_every_way_with_its_ratios_and_writes_under_home(tmp_path: Path) -> None:
-    temp, cwd = tmp_path / "tmp", tmp_path / "cwd"
-    temp.mkdir()
+def test_quick_demo_prints_every_way_with_its_ratios_and_writes_under_home(tmp_path: Path, temp: Path) -> None:
+    cwd = tmp_path / "cwd"
     cwd.mkdir()
     result = gpufeed("demo", "--quick", "--json", env={"TMPDIR": str(temp)}, timeout=90, cwd=cwd)
     assert result.returncode == 0, result.stderr
@@ -123,10 +134,9 @@ def test_bad_input_is_one_line_before_anything_runs(tmp_path: Path, args: tuple[
     ids=["ctrl-c", "sigterm"],
 )
 def test_interrupt_stops_servers_workers_and_removes_temp_files(
-    tmp_path: Path, interrupt: Callable[[subprocess.Popen[str]], None]
+    tmp_path: Path, temp: Path, interrupt: Callable[[subprocess.Popen[str]], None]
 ) -> None:
-    temp, out = tmp_path / "tmp", tmp_path / "out"
-    temp.mkdir()
+    out = tmp_path / "out"
     process = subprocess.Popen(  # 200 ms a sample: the direct epoch lasts about half a minute
         [sys.executable, "-m", "gpufeed", "demo", "--quick", "--latency-ms", "200", "--out", str(out)],
         stdout=subprocess.DEVNULL,
