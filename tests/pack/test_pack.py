@@ -19,8 +19,9 @@ import pytest
 
 import gpufeed
 from gpufeed.client import Client
-from gpufeed.client.connection import AgentClient
+from gpufeed.client.connection import AgentClient, stop_agent
 from gpufeed.config import Settings
+from gpufeed.errors import ObjectMissing
 from gpufeed.meta.base import Entry
 from gpufeed.namespace import Namespace
 from gpufeed.pack.layout import DIR, INDEX_KEY, object_entry
@@ -48,6 +49,12 @@ def sha(data: bytes | memoryview) -> str:
 
 def opts(bucket: Bucket) -> list[str]:
     return ["--opt", f"endpoint={bucket.endpoint}"]
+
+
+def shard_keys(bucket: Bucket, prefix: str) -> set[str]:
+    """The shard and digest objects of the pack at `prefix`."""
+    listing = bucket.client.list_objects_v2(Bucket=bucket.name, Prefix=f"{prefix}/{DIR}/shards/")  # type: ignore[attr-defined]
+    return {item["Key"] for item in listing.get("Contents", [])}
 
 
 def test_pack_mount_every_member_identical(bucket: Bucket) -> None:
@@ -128,8 +135,7 @@ def test_kill_during_pack_then_rerun_gives_the_same_index(bucket: Bucket, tmp_pa
     clean = bucket.client.get_object(Bucket=bucket.name, Key=f"clean/{INDEX_KEY}")["Body"].read()  # type: ignore[attr-defined]
 
     def shards() -> int:
-        listing = bucket.client.list_objects_v2(Bucket=bucket.name, Prefix=f"killed/{DIR}/shards/")  # type: ignore[attr-defined]
-        return listing.get("KeyCount", 0)
+        return len(shard_keys(bucket, "killed"))
 
     env = {**os.environ, "COLUMNS": "200"}
     child = subprocess.Popen([sys.executable, "-m", "gpufeed", "pack", *args[:1], f"{bucket.url}/killed", *args[1:]], env=env)
@@ -239,9 +245,10 @@ def test_forked_worker_reads_a_sparse_batch_of_members(bucket: Bucket) -> None:
     assert got == [sha(raw[k]) for k in keys]
 
 
-def test_repack_after_a_change_and_refresh_the_packed_mount(bucket: Bucket, tmp_path: Path) -> None:
-    """A changed file: the rerun rewrites only the shard holding it, and a refresh of the packed
-    mount serves the new bytes."""
+def test_repack_after_a_change_and_refresh_the_packed_mount(bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A changed file: the rerun rewrites only the shard holding it and removes the one it
+    replaces; a node that has not refreshed is told to, and a refresh of the packed mount serves
+    the new bytes."""
     (tmp_path / "src").mkdir()
     for n in range(20):
         (tmp_path / "src" / f"{n:02d}.bin").write_bytes(bytes([n]) * 3000)
@@ -253,8 +260,18 @@ def test_repack_after_a_change_and_refresh_the_packed_mount(bucket: Bucket, tmp_
     assert gpufeed.read("/p/05.bin") == bytes([5]) * 3000
     (tmp_path / "src" / "05.bin").write_bytes(b"new" * 1000)
     ns.refresh("/src")
+    before = shard_keys(bucket, "p")
     out = ok("pack", "/src", dest, "--shard-size", "8KiB", "--json", *opts(bucket))
-    assert '"written": 1' in out and '"kept": 9' in out, out
+    assert '"written": 1' in out and '"kept": 9' in out and '"removed": 1' in out, out
+    after = shard_keys(bucket, "p")
+    assert len(after) == len(before) == 20 and len(after - before) == 2, (before, after)  # one shard and its digests
+    monkeypatch.setenv("GPUFEED_CACHE_DIRS", str(tmp_path / "other-node"))  # a node with nothing cached yet
+    try:
+        with pytest.raises(ObjectMissing, match="deleted at the source .*run 'gpufeed mount refresh /p'"):
+            Client().read("/p/04.bin")  # its shard was the one replaced
+    finally:
+        stop_agent(Settings.from_env())
+    monkeypatch.delenv("GPUFEED_CACHE_DIRS")
     _, stats = ns.refresh("/p")
     assert (stats.files, stats.added, stats.changed, stats.removed) == (20, 0, 1, 0)
     assert Client().read("/p/05.bin") == b"new" * 1000

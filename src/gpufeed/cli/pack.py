@@ -6,12 +6,16 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from gpufeed.cli.console import human_bytes, out
 from gpufeed.cli.progress import Meter
 from gpufeed.config import parse_size
+
+if TYPE_CHECKING:
+    from gpufeed.pack.packer import Packed
 
 
 def pack(
@@ -29,7 +33,8 @@ def pack(
 ) -> None:
     """Pack every file under NSPATH into shards plus an index at DEST_URL, reading through the
     cache. Mount DEST_URL and the files keep their paths. Interrupted, it resumes (finished
-    shards are kept); over unchanged input it does nothing. With --ray, each shard is a task of
+    shards are kept); over unchanged input it does nothing. Shards of an earlier pack that the
+    new index does not name are removed once it is published. With --ray, each shard is a task of
     an existing Ray cluster; its nodes need gpufeed, an agent, and the namespace's metadata on
     Redis (GPUFEED_META)."""
     from gpufeed.client import Client
@@ -49,10 +54,15 @@ def pack(
         typer.echo(json.dumps({**asdict(done), "seconds": round(seconds, 3)}))
         return
     if done.up_to_date:
-        out.print(f"{dest}: up to date ({done.files:,} files in {done.shards} shards)", highlight=False)
+        out.print(f"{dest}: up to date ({done.files:,} files in {done.shards} shards{removed(done)})", highlight=False)
         return
     out.print(
         f"packed {done.files:,} files, {human_bytes(done.bytes)} from {job.nspath} into {dest}: {done.shards} shards "
-        f"({done.written} written, {done.kept} kept from an earlier run) in {seconds:.1f} s",
+        f"({done.written} written, {done.kept} kept from an earlier run{removed(done)}) in {seconds:.1f} s",
         highlight=False,
     )
+
+
+def removed(done: Packed) -> str:
+    """What the run's summary adds when it removed an earlier pack's shards."""
+    return f", {done.removed} stale shard{'s' if done.removed != 1 else ''} removed" if done.removed else ""

@@ -22,7 +22,7 @@ from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument, ObjectMissing, PackError, PathNotFound
 from gpufeed.namespace import FileStat, normalize
 from gpufeed.pack import index as idx
-from gpufeed.pack.layout import DIR, INDEX_KEY
+from gpufeed.pack.layout import DIR, INDEX_KEY, SHARDS_DIR
 from gpufeed.pack.plan import Item, Shard, pack_digest, plan
 from gpufeed.pack.shards import ShardTask, digests_key
 from gpufeed.pack.shards import run as shards_run
@@ -40,6 +40,8 @@ class Packed:
     kept: int
     up_to_date: bool
     index_key: str
+    removed: int = 0
+    """Shards of an earlier pack into the same destination that this index no longer names."""
 
 
 def members(client: Client, nspath: str, order: Path | None) -> list[tuple[str, FileStat]]:
@@ -152,7 +154,7 @@ def pack(
         raise InvalidArgument(f"--workers {workers}: must be at least 1")
     items, shards, dest, existing = job.items, job.shards, job.dest, job.existing
     if job.up_to_date():
-        return Packed(len(items), job.bytes, len(shards), 0, len(shards), True, INDEX_KEY)
+        return Packed(len(items), job.bytes, len(shards), 0, len(shards), True, INDEX_KEY, _remove_stale(job))
     done = [s for s in shards if existing.get(s.key) == s.size and existing.get(digests_key(s.key)) == 32 * len(s.members)]
     kept = {s.number for s in done}
     todo = [s for s in shards if s.number not in kept]
@@ -176,7 +178,19 @@ def pack(
     ]
     index = idx.build(job.digest, job.block_size, [(s.key, s.size) for s in shards], rows)
     dest.put(INDEX_KEY, idx.encode(index))
-    return Packed(len(items), job.bytes, len(shards), len(todo), len(done), False, INDEX_KEY)
+    return Packed(len(items), job.bytes, len(shards), len(todo), len(done), False, INDEX_KEY, _remove_stale(job))
+
+
+def _remove_stale(job: Plan) -> int:
+    """Delete the shards (and their digests) at the destination that the published index does
+    not name: an earlier pack's, or an interrupted run's over input that changed since. Only
+    after the index is in place, so a crash leaves garbage, never a pack missing a shard. A
+    node that still has the old index mounted reads what it cached, and is told to refresh for
+    the rest."""
+    named = {key for shard in job.shards for key in (shard.key, digests_key(shard.key))}
+    stale = sorted(key for key in job.existing if key.startswith(SHARDS_DIR + "/") and key not in named)
+    job.dest.delete(stale)
+    return sum(1 for key in stale if not key.endswith(".sha256"))
 
 
 class _Counts:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -101,6 +101,10 @@ class Source(Protocol):
     def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
         """Write one whole object atomically (readers see the old object or the new one, never
         a part) and return it as the store now reports it; SourceError when the store refuses."""
+        ...
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Delete objects; one already gone is no error; SourceError when the store refuses."""
         ...
 
 

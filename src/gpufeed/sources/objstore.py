@@ -18,7 +18,7 @@ import asyncio
 import hashlib
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -229,6 +229,21 @@ class ObstoreSource:
 
         await retry.call_async(self.retry, attempt)
         return await self.head_async(key)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Delete `keys` (a bulk delete where the store has one), retried like every store call;
+        an object already gone is no error."""
+
+        def attempt() -> None:
+            try:
+                obstore.delete(self.store, list(keys))
+            except (obx.BaseError, OSError) as exc:
+                failure = self.failure(exc, keys[0] if len(keys) == 1 else "")
+                if not isinstance(failure, ObjectMissing):
+                    raise failure from exc
+
+        if keys:
+            retry.call(self.retry, attempt)
 
     async def delete_async(self, key: str) -> None:
         """Delete `key`; an object already gone is no error."""
