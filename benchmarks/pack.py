@@ -135,11 +135,15 @@ def packing(label: str, root: Path, work: Path, args: argparse.Namespace) -> Non
     paths = sorted(root.iterdir())
     total = sum(p.stat().st_size for p in paths)
     shard, workers = args.shard_mib << 20, args.workers
+    os.sync()  # the files were just written: their writeback is not the first packer's to pay
     mount_s, pack_s = time_gpufeed(root, work / f"{label}-gpufeed", f"/in-{label}", shard, workers)
+    os.sync()
+    litdata_s = time_litdata(paths, work / f"{label}-litdata", shard, args.workers)
+    os.sync()
     times = {
         f"gpufeed pack (--workers {workers})": pack_s,
         "gpufeed mount add, then pack": mount_s + pack_s,
-        f"LitData optimize ({args.workers} workers)": time_litdata(paths, work / f"{label}-litdata", shard, args.workers),
+        f"LitData optimize ({args.workers} workers)": litdata_s,
         "Mosaic MDSWriter (1 process)": time_mds(paths, work / f"{label}-mds", shard),
     }
     lit = next(seconds for name, seconds in times.items() if name.startswith("LitData"))
