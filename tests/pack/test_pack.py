@@ -87,7 +87,7 @@ def test_pack_mount_every_member_identical(bucket: Bucket) -> None:
     assert "240 matched, 0 mismatched" in ok("verify", "/imnet")
 
 
-def test_packed_view_through_fsspec_and_read_files(bucket: Bucket) -> None:
+def test_packed_view_through_fsspec_and_read_files(bucket: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
     raw = files_in(bucket, "raw", 60, seed=1)
     ns = Namespace()
     ns.add_mount("/raw", f"{bucket.url}/raw", {"endpoint": bucket.endpoint})
@@ -103,8 +103,19 @@ def test_packed_view_through_fsspec_and_read_files(bucket: Bucket) -> None:
         assert f.read() == raw[key]
     keys = sorted(raw)
     random.Random(3).shuffle(keys)  # an exact per-sample shuffle reads as well as an ordered one
-    got = gpufeed.client().read_files([f"/p/{k}" for k in keys])
+    client = Client()  # as a new DataLoader worker: nothing of the pack opened yet
+    looked_up: list[str | None] = []
+    container = client.namespace.container
+
+    def counted(where: Any, member: Any) -> Any:
+        looked_up.append(member.pack_key)
+        return container(where, member)
+
+    monkeypatch.setattr(client.namespace, "container", counted)
+    got = client.read_files([f"/p/{k}" for k in keys])
     assert [sha(g) for g in got] == [sha(raw[k]) for k in keys]
+    shards = {f.info.pack_key for f in Namespace().walk("/p") if f.info is not None}
+    assert sorted(looked_up) == sorted(shards) and len(shards) > 1, "each shard's pinned version looked up once, not per member"
 
 
 def test_rerun_is_a_noop_and_order_is_followed(bucket: Bucket, tmp_path: Path) -> None:
@@ -245,7 +256,9 @@ def test_forked_worker_reads_a_sparse_batch_of_members(bucket: Bucket) -> None:
     assert got == [sha(raw[k]) for k in keys]
 
 
-def test_repack_after_a_change_and_refresh_the_packed_mount(bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_repack_after_a_change_and_refresh_the_packed_mount(
+    bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A changed file: the rerun rewrites only the shard holding it and removes the one it
     replaces; a node that has not refreshed is told to, and a refresh of the packed mount serves
     the new bytes."""

@@ -32,7 +32,7 @@ from gpufeed.client.writer import FeedWriter
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing, WriteError, from_code
 from gpufeed.meta import Mount
-from gpufeed.namespace import CachePolicy, FileStat, Namespace, is_writable, owner_only, source_options
+from gpufeed.namespace import CachePolicy, FileStat, Namespace, Resolved, is_writable, owner_only, source_options
 from gpufeed.rpc.messages import (
     Cancel,
     Credentials,
@@ -57,6 +57,8 @@ T = TypeVar("T")
 
 HANDLE_CACHE = 65536
 """Handles a client remembers (a few hundred bytes each)."""
+CONTAINER_CACHE = 16384
+"""Pack shards a client remembers the pinned version and blocks of."""
 DIRECT_CONCURRENCY = 64
 """Ranged GETs one batch keeps in flight when it reads from the source itself."""
 FETCH_BATCH = 4096
@@ -145,6 +147,7 @@ class Client:
         self._lock = threading.Lock()
         """Guards evictions from the two bounded memories below (lookups need no lock)."""
         self._handles: dict[str, ObjectHandle] = {}
+        self._containers: dict[tuple[str, int, str], tuple[ObjectInfo, BlockRef | None]] = {}
         self._read_around_since: dict[tuple[str, int], float] = {}
         self._mounts_seen: list[Mount] | None = None
         self._generation_of: dict[str, int] = {}
@@ -182,16 +185,13 @@ class Client:
         if known is not None and self._generations().get(known.mount.path) == known.mount.generation:
             return known
         where, source, info = self.namespace.open_object(path)
-        member = None
-        if info.pack_key is not None:
-            member, info = info, self.namespace.container(where, info)
         mount = where.mount
         policy = CachePolicy.of(mount, self.settings)
-        blocks = None
-        if policy.enabled and info.size > 0 and (dirs := self._cache_dirs()) is not None:
-            identity = object_blocks(mount.url, source_options(mount), info, policy.block_size, not mount.immutable)
-            assert self._files is not None
-            blocks = BlockRef.of(dirs, identity, policy.verify, self._files)
+        member = None
+        if info.pack_key is not None:
+            member, (info, blocks) = info, self._container(where, info, policy)
+        else:
+            blocks = self._blocks(mount, info, policy)
         handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, self.hits.tally(mount.path), blocks, member)
         if mount.max_age is None and not is_writable(mount) and (blocks is not None or not policy.enabled or info.size == 0):
             with self._lock:
@@ -199,6 +199,33 @@ class Client:
                     del self._handles[next(iter(self._handles))]
                 self._handles[path] = handle
         return handle
+
+    def _blocks(self, mount: Mount, info: ObjectInfo, policy: CachePolicy) -> BlockRef | None:
+        """Where the object's blocks live in the node cache; None when it is not cached."""
+        if not policy.enabled or info.size <= 0 or (dirs := self._cache_dirs()) is None:
+            return None
+        identity = object_blocks(mount.url, source_options(mount), info, policy.block_size, not mount.immutable)
+        assert self._files is not None
+        return BlockRef.of(dirs, identity, policy.verify, self._files)
+
+    def _container(self, where: Resolved, member: ObjectInfo, policy: CachePolicy) -> tuple[ObjectInfo, BlockRef | None]:
+        """A pack member's shard, as its mount's manifest pins it, and its blocks: looked up once
+        per shard and mount generation, not once per member (a DataLoader worker that starts each
+        epoch opens every member it reads, some 37 to a 4 MiB block of a shard)."""
+        assert member.pack_key is not None
+        mount = where.mount
+        key = (mount.path, mount.generation, member.pack_key)
+        known = self._containers.get(key)
+        if known is None:
+            info = self.namespace.container(where, member)
+            blocks = self._blocks(mount, info, policy)
+            known = (info, blocks)
+            if mount.max_age is None and not is_writable(mount) and (blocks is not None or not policy.enabled or info.size == 0):
+                with self._lock:
+                    if len(self._containers) >= CONTAINER_CACHE:
+                        del self._containers[next(iter(self._containers))]
+                    self._containers[key] = known
+        return known
 
     def _generations(self, *, fresh: bool = False) -> dict[str, int]:
         mounts = self.namespace.mounts(fresh=fresh)
