@@ -59,6 +59,16 @@ HANDLE_CACHE = 65536
 """Handles a client remembers (a few hundred bytes each)."""
 CONTAINER_CACHE = 16384
 """Pack shards a client remembers the pinned version and blocks of."""
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _rememberable(mount: Mount, policy: CachePolicy, info: ObjectInfo, blocks: BlockRef | None) -> bool:
+    """Whether what an open found stays true for the mount's generation: not on mounts that
+    revalidate on open (--max-age) or are written (an entry changes, not the generation), nor
+    while the cache that should hold the blocks is unknown."""
+    return mount.max_age is None and not is_writable(mount) and (blocks is not None or not policy.enabled or info.size == 0)
 DIRECT_CONCURRENCY = 64
 """Ranged GETs one batch keeps in flight when it reads from the source itself."""
 FETCH_BATCH = 4096
@@ -193,12 +203,16 @@ class Client:
         else:
             blocks = self._blocks(mount, info, policy)
         handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, self.hits.tally(mount.path), blocks, member)
-        if mount.max_age is None and not is_writable(mount) and (blocks is not None or not policy.enabled or info.size == 0):
-            with self._lock:
-                if len(self._handles) >= HANDLE_CACHE:
-                    del self._handles[next(iter(self._handles))]
-                self._handles[path] = handle
+        if _rememberable(mount, policy, info, blocks):
+            self._remember(self._handles, path, handle, HANDLE_CACHE)
         return handle
+
+    def _remember(self, memory: dict[_K, _V], key: _K, value: _V, limit: int) -> None:
+        """Keep `value` in one of the bounded memories, the oldest entry dropped when it is full."""
+        with self._lock:
+            if len(memory) >= limit:
+                del memory[next(iter(memory))]
+            memory[key] = value
 
     def _blocks(self, mount: Mount, info: ObjectInfo, policy: CachePolicy) -> BlockRef | None:
         """Where the object's blocks live in the node cache; None when it is not cached."""
@@ -218,13 +232,9 @@ class Client:
         known = self._containers.get(key)
         if known is None:
             info = self.namespace.container(where, member)
-            blocks = self._blocks(mount, info, policy)
-            known = (info, blocks)
-            if mount.max_age is None and not is_writable(mount) and (blocks is not None or not policy.enabled or info.size == 0):
-                with self._lock:
-                    if len(self._containers) >= CONTAINER_CACHE:
-                        del self._containers[next(iter(self._containers))]
-                    self._containers[key] = known
+            known = (info, self._blocks(mount, info, policy))
+            if _rememberable(mount, policy, info, known[1]):
+                self._remember(self._containers, key, known, CONTAINER_CACHE)
         return known
 
     def _generations(self, *, fresh: bool = False) -> dict[str, int]:
