@@ -253,13 +253,19 @@ def training(work: Path, root: Path, args: argparse.Namespace) -> None:
     print(f"{'loop':<34} {'epoch':>5} {'samples/s':>10} {'busy':>6} {'vs local':>9} {'GETs':>7} {'agent CPU s':>12} "
           f"{'store+shaper CPU s':>19}")
     rows: list[tuple[str, int, Epoch, int | None]] = []
+    failed: list[str] = []
 
     def loop(name: str, make: Callable[[int], Any], gets: Gets | None) -> None:
         os.sync()
         for epoch in range(args.epochs):
             if gets is not None:
                 gets.count()
-            result = run_epoch(make(epoch), step_s)
+            try:
+                result = run_epoch(make(epoch), step_s)
+            except Exception as exc:  # a peer's loop that breaks loses its own rows, not the table
+                failed.append(f"{name}, epoch {epoch + 1}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}")
+                print(f"  {failed[-1]}", file=sys.stderr, flush=True)
+                return
             rows.append((name, epoch + 1, result, gets.count() if gets is not None else None))
             print(f"  {name}: epoch {epoch + 1} {result.samples_s:,.0f} samples/s", file=sys.stderr, flush=True)
 
@@ -287,6 +293,8 @@ def training(work: Path, root: Path, args: argparse.Namespace) -> None:
         print(f"{name:<34} {epoch:>5} {result.samples_s:>10,.0f} {result.busy:>6.1%} {result.samples_s / local:>8.2f}x "
               f"{'' if count is None else f'{count:,}':>7} {result.cpu_s['agent']:>12.2f} "
               f"{result.cpu_s['store'] + result.cpu_s['shaper']:>19.2f}")
+    for line in failed:
+        print(f"failed: {line}")
     print("vs local: to the mean of the local-disk loops before and after the others; CPU: seconds the node agent, and "
           "the store server and latency shaper this run hosts beside the loop (a real node hosts neither), spent in the "
           "epoch")
