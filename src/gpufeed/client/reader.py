@@ -54,21 +54,13 @@ from gpufeed.sources.local import LocalSource
 
 log = logging.getLogger("gpufeed")
 T = TypeVar("T")
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 HANDLE_CACHE = 65536
 """Handles a client remembers (a few hundred bytes each)."""
 CONTAINER_CACHE = 16384
 """Pack shards a client remembers the pinned version and blocks of."""
-
-_K = TypeVar("_K")
-_V = TypeVar("_V")
-
-
-def _rememberable(mount: Mount, policy: CachePolicy, info: ObjectInfo, blocks: BlockRef | None) -> bool:
-    """Whether what an open found stays true for the mount's generation: not on mounts that
-    revalidate on open (--max-age) or are written (an entry changes, not the generation), nor
-    while the cache that should hold the blocks is unknown."""
-    return mount.max_age is None and not is_writable(mount) and (blocks is not None or not policy.enabled or info.size == 0)
 DIRECT_CONCURRENCY = 64
 """Ranged GETs one batch keeps in flight when it reads from the source itself."""
 FETCH_BATCH = 4096
@@ -95,6 +87,13 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _rememberable(mount: Mount, policy: CachePolicy, info: ObjectInfo, blocks: BlockRef | None) -> bool:
+    """Whether what an open found stays true for the mount's generation: not on mounts that
+    revalidate on open (--max-age) or are written (an entry changes, not the generation), nor
+    while the cache that should hold the blocks is unknown."""
+    return mount.max_age is None and not is_writable(mount) and (blocks is not None or not policy.enabled or info.size == 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +154,7 @@ class Client:
         self._warned: set[str] = set()
         self._session = f"reads-{os.getpid()}-{id(self):x}"
         self._lock = threading.Lock()
-        """Guards evictions from the two bounded memories below (lookups need no lock)."""
+        """Guards evictions from the bounded memories below (lookups need no lock)."""
         self._handles: dict[str, ObjectHandle] = {}
         self._containers: dict[tuple[str, int, str], tuple[ObjectInfo, BlockRef | None]] = {}
         self._read_around_since: dict[tuple[str, int], float] = {}
