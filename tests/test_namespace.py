@@ -51,6 +51,19 @@ def test_virtual_directories_above_mounts(namespace: Namespace, dataset: Path) -
         namespace.ls("/elsewhere")
 
 
+def test_a_mount_another_process_just_added_is_found_at_once(namespace: Namespace, dataset: Path) -> None:
+    namespace.add_mount("/data", f"file://{dataset}")
+    assert namespace.stat("/data/README").size == 7  # the mount table is now remembered
+    elsewhere = Namespace(namespace.settings)
+    try:
+        elsewhere.add_mount("/more", f"file://{dataset}")
+    finally:
+        elsewhere.close()
+    assert namespace.stat("/more/README").size == 7
+    with pytest.raises(PathNotFound, match="/other/README: no mount contains"):
+        namespace.stat("/other/README")
+
+
 def test_ls_of_a_file_is_the_file(namespace: Namespace, dataset: Path) -> None:
     namespace.add_mount("/data", f"file://{dataset}")
     [only] = namespace.ls("/data/README")

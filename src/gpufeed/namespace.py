@@ -446,16 +446,19 @@ class Namespace:
     # -- lookups --------------------------------------------------------------------------
 
     def resolve(self, path: str) -> Resolved | None:
-        """The mount holding `path`, or None when `path` is above every mount (a virtual dir)."""
+        """The mount holding `path`, or None when `path` is above every mount (a virtual dir).
+        A path no remembered mount holds is checked against the table as it is now: a mount
+        added moments ago by another process is found, not reported missing."""
         path = normalize(path)
-        mounts = self.mounts()
-        for mount in mounts:
-            if path == mount.path:
-                return Resolved(mount, "")
-            if path.startswith(mount.path + "/"):
-                return Resolved(mount, path[len(mount.path) + 1 :])
-        if path == "/" or any(m.path.startswith(path.rstrip("/") + "/") for m in mounts):
-            return None
+        for fresh in (False, True):
+            mounts = self.mounts(fresh=fresh)
+            for mount in mounts:
+                if path == mount.path:
+                    return Resolved(mount, "")
+                if path.startswith(mount.path + "/"):
+                    return Resolved(mount, path[len(mount.path) + 1 :])
+            if path == "/" or any(m.path.startswith(path.rstrip("/") + "/") for m in mounts):
+                return None
         raise PathNotFound(f"{path}: no mount contains this path (see 'gpufeed mount ls')")
 
     def _switched(self, where: Resolved) -> Resolved | None:
