@@ -17,7 +17,8 @@ from gpufeed.errors import (
     PathNotFound,
     SourceUnreachable,
 )
-from gpufeed.namespace import Namespace, normalize, parse_options
+from gpufeed.mount_options import parse_options
+from gpufeed.namespace import Namespace, normalize
 from tests.conftest import Bucket
 
 

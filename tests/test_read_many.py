@@ -129,7 +129,7 @@ def test_a_sparse_batch_read_from_async_code(tmp_path: Path) -> None:
 
 def test_a_batch_bigger_than_one_agent_request_is_sent_in_several(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = mount_big_file(tmp_path)
-    monkeypatch.setattr(sys.modules["gpufeed.client.reader"], "FETCH_BATCH", 3)
+    monkeypatch.setattr(sys.modules["gpufeed.client.fetches"], "FETCH_BATCH", 3)
     client = gpufeed.client()
     handle = client.handle("/m/big.bin")
     assert bytes(client.read_many([(handle, 0, len(data))])[0]) == data
@@ -143,7 +143,7 @@ def test_threads_share_the_remembered_handles(tmp_path: Path, monkeypatch: pytes
     for name, content in files.items():
         (root / name).write_bytes(content)
     Namespace().add_mount("/many", f"file://{root}")
-    monkeypatch.setattr(sys.modules["gpufeed.client.reader"], "HANDLE_CACHE", 4)  # evictions all the time
+    monkeypatch.setattr(sys.modules["gpufeed.client.handles"], "HANDLE_CACHE", 4)  # evictions all the time
     client = Client()
 
     def read_all(offset: int) -> bool:
@@ -161,7 +161,7 @@ def test_read_around_hints_pin_nothing(tmp_path: Path) -> None:
     spans = [(i * BLOCK, i * BLOCK + 10) for i in range(0, BLOCKS, 2)]
     client.read_many([(handle, start, end) for start, end in spans])
     assert client.direct_bytes == 10 * len(spans)
-    client._fetch([(handle, [i for i in range(0, BLOCKS, 2)], [])])  # the hinted blocks, now surely fetched
+    client.fetches.fetch([(handle, [i for i in range(0, BLOCKS, 2)], [])])  # the hinted blocks, now surely fetched
     assert client.agent.stats().pinned_bytes == 0
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from gpufeed.blocks import object_blocks, overlap
 from gpufeed.cache.layout import block_path
 from gpufeed.config import Settings
-from gpufeed.namespace import CachePolicy, FileStat, Namespace, source_options
+from gpufeed.mount_options import CachePolicy, source_options
+from gpufeed.namespace import FileStat, Namespace
 
 
 def cached_bytes(namespace: Namespace, settings: Settings, dirs: tuple[Path, ...], path: str) -> Iterator[tuple[FileStat, int]]:

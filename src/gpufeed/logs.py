@@ -55,7 +55,8 @@ import msgspec
 import gpufeed
 from gpufeed.config import Settings, cluster_node_id
 from gpufeed.errors import InvalidArgument, IsADirectory, PathNotFound, ReadOnlyMount, WriteError
-from gpufeed.namespace import FileStat, is_writable, normalize
+from gpufeed.mount_options import is_writable
+from gpufeed.namespace import FileStat, normalize
 
 if TYPE_CHECKING:
     from gpufeed.client import Client

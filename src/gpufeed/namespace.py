@@ -7,20 +7,15 @@ its mount.
 
 from __future__ import annotations
 
-import difflib
 import math
 import posixpath
-import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
 
-from gpufeed.config import Settings, parse_size, parse_verify
+from gpufeed.config import Settings
 from gpufeed.errors import (
-    GpufeedError,
     InvalidArgument,
     IsADirectory,
     MetadataError,
@@ -37,9 +32,10 @@ from gpufeed.meta import MetaEngine, Mount, open_engine
 from gpufeed.meta.base import Entry
 from gpufeed.meta.checksums import parse_checksums
 from gpufeed.meta.manifest import ManifestStats, write_manifest
+from gpufeed.mount_options import CACHE_OPTIONS, CachePolicy, is_writable, packed, source_options
 from gpufeed.pack.layout import DIR as PACK_DIR
-from gpufeed.pack.layout import INDEX_KEY as PACK_INDEX
 from gpufeed.pack.layout import hidden, object_entry
+from gpufeed.pack.tables import MemberTables
 from gpufeed.sources import Source, open_source
 from gpufeed.sources.base import ObjectInfo, same_version
 
@@ -96,56 +92,6 @@ class Resolved:
         return parent, name
 
 
-CACHE_OPTIONS = ("cache", "block_size", "verify", "format", "writable", "copies")
-"""Mount options the read path consumes (`format`: how the source's objects become files, see
-`pack.layout.FORMATS`); every other option belongs to the source."""
-
-
-@dataclass(frozen=True, slots=True)
-class CachePolicy:
-    """How a mount's reads use the node cache: `cache=on|off`, `block_size=4MiB`, `verify=always|never`,
-    `copies=local|owner-only` (in a cache cluster: whether blocks other nodes own are kept like
-    this node's own, or as copies evicted first)."""
-
-    enabled: bool
-    block_size: int
-    verify: bool
-
-    @classmethod
-    def of(cls, mount: Mount, settings: Settings) -> CachePolicy:
-        options = mount.options
-        cache = options.get("cache", "on")
-        if cache not in ("on", "off"):
-            raise InvalidArgument(f"{mount.path}: option cache={cache!r}: expected on or off")
-        block_size = parse_size(options["block_size"], "option block_size") if "block_size" in options else settings.block_size
-        if not 4096 <= block_size <= 1 << 30:
-            raise InvalidArgument(f"{mount.path}: block_size {block_size} must be between 4KiB and 1GiB")
-        verify = parse_verify(options["verify"], "option verify") if "verify" in options else settings.verify
-        copies = options.get("copies", "local")
-        if copies not in ("local", "owner-only"):
-            raise InvalidArgument(f"{mount.path}: option copies={copies!r}: expected local or owner-only")
-        return cls(cache == "on", block_size, verify)
-
-
-def owner_only(mount: Mount) -> bool:
-    """Whether blocks other cluster nodes own are kept as copies evicted first (`copies=owner-only`)."""
-    return mount.options.get("copies") == "owner-only"
-
-
-def is_writable(mount: Mount) -> bool:
-    """Whether writes through gpufeed may go to the mount's store (`mount add --writable`)."""
-    return mount.options.get("writable") == "true" and not packed(mount)
-
-
-def packed(mount: Mount) -> bool:
-    """Whether the mount shows pack members (its reserved pack directory is then hidden)."""
-    return mount.options.get("format", "files") != "files"
-
-
-def source_options(mount: Mount) -> dict[str, str]:
-    return {k: v for k, v in mount.options.items() if k not in CACHE_OPTIONS}
-
-
 MOUNTS_TTL_S = 1.0
 
 
@@ -158,50 +104,12 @@ def normalize(path: str) -> str:
     return "/" + clean.lstrip("/")
 
 
-def nearest_prefix(url: str, options: dict[str, str], settings: Settings) -> str | None:
-    """The sibling prefix of `url` whose name is closest to its last component, found with
-    one delimiter LIST of the parent; None when there is none or the parent cannot be listed."""
-    parts = urlsplit(url)
-    if parts.scheme.lower() in ("http", "https"):
-        return None  # HTTP has no delimiter listing
-    parent_path, _, name = parts.path.rstrip("/").rpartition("/")
-    if not name:
-        return None
-    parent_url = urlunsplit(parts._replace(path=parent_path or ("/" if parts.scheme == "file" else "")))
-    import obstore
-    from obstore.exceptions import BaseError
-
-    try:
-        store = getattr(open_source(parent_url, options, settings), "store", None)
-        if store is None:
-            return None
-        listing = obstore.list_with_delimiter(store)
-    except (GpufeedError, BaseError, OSError):  # a hint only: any failure means no hint
-        return None
-    names = [prefix.rstrip("/").rpartition("/")[2] for prefix in listing["common_prefixes"]]
-    names = [n for n in names if n != name]
-    match = difflib.get_close_matches(name, names, n=1)
-    return f"{parent_url.rstrip('/')}/{match[0]}" if match else None
-
-
-def parse_options(pairs: list[str]) -> dict[str, str]:
-    """`key=value` strings from the command line into a dict; malformed ones are refused."""
-    options: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise InvalidArgument(f"--opt {pair!r}: expected key=value")
-        options[key] = value
-    return options
-
-
 class Namespace:
     def __init__(self, settings: Settings | None = None, engine: MetaEngine | None = None) -> None:
         self.settings = settings or Settings.from_env()
         self.engine = engine or open_engine(self.settings)
         self._sources: dict[tuple[str, str], Source] = {}
-        self._tables: dict[str, tuple[int, MemberTable]] = {}
+        self.tables = MemberTables(self.settings.home, self.engine, self.source)
         self._mounts: list[Mount] | None = None
         self._mounts_read = 0.0
 
@@ -276,6 +184,8 @@ class Namespace:
 
         def refuse_empty(stats: ManifestStats) -> None:
             if stats.files == 0 and not allow_empty:
+                from gpufeed.sources.stores import nearest_prefix
+
                 near = nearest_prefix(url, source_options(mount), self.settings)
                 hint = f"; did you mean {near}?" if near else ""
                 raise MountError(f"{url}: no objects under this prefix{hint} (--allow-empty mounts it anyway)")
@@ -289,7 +199,7 @@ class Namespace:
         if hashes is not None:
             raise InvalidArgument(f"{url}: a gpufeed pack carries its members' sha256; --checksums is for plain files")
         rows, table = mounting.pack_rows(source)
-        self._save_table(table, rows[-1])
+        self.tables.save(table, rows[-1])
         mount, stats = write_manifest(self.engine, mount, source, create=True, listing=[rows])
         stats.files, stats.bytes, stats.skipped, stats.added = table.files, table.bytes, table.skipped, table.files
         if listed is not None:
@@ -313,11 +223,11 @@ class Namespace:
                 old = self.members(mount)
             except PackError:  # its index is gone or changed in the store: all is counted as added
                 old = None
-            before = self._table_name(mount)
+            before = self.tables.name(mount)
             rows, table = mounting.pack_rows(source)
-            self._save_table(table, rows[-1])
+            self.tables.save(table, rows[-1])
             mount, stats = write_manifest(self.engine, mount, source, create=False, listing=[rows])
-            self._drop_table(before)
+            self.tables.drop(before, self.mounts(fresh=True))
             stats.files, stats.bytes, stats.skipped, stats.kept_hashes = table.files, table.bytes, table.skipped, 0
             stats.added, stats.changed, stats.removed = table.changes(old) if old is not None else (table.files, 0, 0)
             if listed is not None:
@@ -329,11 +239,11 @@ class Namespace:
     def remove_mount(self, path: str) -> Mount:
         mount = self.mount(path)
         self.engine.check_writable()
-        table = self._table_name(mount)
+        table = self.tables.name(mount)
         self.engine.delete_mount(mount.path)
         self._forget_mounts()
         self.engine.drop_generation(mount.generation)
-        self._drop_table(table)
+        self.tables.drop(table, self.mounts(fresh=True))
         return mount
 
     def record_hashes(self, mount_path: str, generation: int, infos: list[ObjectInfo]) -> int:
@@ -366,36 +276,11 @@ class Namespace:
 
     # -- packed mounts' members --------------------------------------------------------------
 
-    def _tables_dir(self) -> Path:
-        return self.settings.home / "packs"
-
-    def _save_table(self, table: MemberTable, index_row: ObjectInfo) -> None:
-        """Save a just-built member table where this node's processes look for it."""
-        assert index_row.content_hash is not None
-        where = self._tables_dir() / index_row.content_hash.removeprefix("sha256:")
-        try:
-            table.save(where)
-        except OSError as exc:
-            raise MountError(f"{where}: cannot save the pack's member table ({exc.strerror or exc})") from None
-
     def members(self, mount: Mount) -> MemberTable | None:
-        """The member table of a gpufeed-pack mount's generation; None for any other mount (and
-        for one listed before member tables existed: its members are rows). Another process's
-        refresh is seen when the mount table is next read (MOUNTS_TTL_S), as for any mount;
-        until then this process reads the previous pack, which stays whole."""
-        if mount.options.get("format") != "gpufeed-pack":
-            return None
-        cached = self._tables.get(mount.path)
-        if cached is not None and cached[0] == mount.generation:
-            return cached[1]
-        row = self._index_row(mount)
-        if row is None:
-            return None
-        from gpufeed.pack import mounting
-
-        table = mounting.member_table(self.source(mount), row.object_info(), self._tables_dir())
-        self._tables[mount.path] = (mount.generation, table)
-        return table
+        """The member table of a gpufeed-pack mount's generation (`MemberTables.of`). Another
+        process's refresh is seen when the mount table is next read (MOUNTS_TTL_S), as for any
+        mount; until then this process reads the previous pack, which stays whole."""
+        return self.tables.of(mount)
 
     def member_files(self, path: str) -> tuple[Mount, MemberTable, np.ndarray] | None:
         """For a directory of a gpufeed-pack mount: the mount, its member table and the numbers
@@ -410,24 +295,6 @@ class Namespace:
             if entry is None or not entry.is_dir:
                 return None
         return where.mount, table, table.files_under(where.key)
-
-    def _index_row(self, mount: Mount) -> Entry | None:
-        """The manifest row of a gpufeed-pack mount's index, whose content hash names its member table."""
-        if mount.options.get("format") != "gpufeed-pack":
-            return None
-        row = self.engine.lookup(mount.generation, *object_entry(PACK_INDEX))
-        return None if row is None or row.content_hash is None else row
-
-    def _table_name(self, mount: Mount) -> str | None:
-        row = self._index_row(mount)
-        return None if row is None else (row.content_hash or "").removeprefix("sha256:")
-
-    def _drop_table(self, name: str | None) -> None:
-        """Remove this node's copy of a member table no mount names any more (a process that
-        has it open keeps its mapping; other nodes' copies go with their own removal)."""
-        if name is None or any(self._table_name(other) == name for other in self.mounts(fresh=True)):
-            return
-        shutil.rmtree(self._tables_dir() / name, ignore_errors=True)
 
     def _lookup(self, mount: Mount, parent: str, name: str) -> Entry | None:
         table = self.members(mount)

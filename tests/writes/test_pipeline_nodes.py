@@ -20,7 +20,8 @@ from gpufeed.blocks import object_blocks
 from gpufeed.client.connection import AgentClient, stop_agent
 from gpufeed.cluster.ownership import Node, owners
 from gpufeed.config import Settings
-from gpufeed.namespace import CachePolicy, Namespace, source_options
+from gpufeed.mount_options import CachePolicy, source_options
+from gpufeed.namespace import Namespace
 from gpufeed.rpc.messages import Metrics, MetricsText
 from tests.agent.test_metrics import samples
 from tests.cluster.members import TOKEN, Member, joined

@@ -125,7 +125,7 @@ def bench(
         raise InvalidArgument("--source URL is required (write a dataset with 'gpufeed bench generate')")
     check_outputs(plot)
     from gpufeed.bench.runner import BenchConfig, run_bench
-    from gpufeed.namespace import parse_options
+    from gpufeed.mount_options import parse_options
 
     work = workload(
         workload_name,
@@ -166,7 +166,7 @@ def generate(
 ) -> None:
     """Write a dataset of the workload's shape (random bytes; valid npz and JPEG files)."""
     from gpufeed.bench.generate import generate as write_dataset
-    from gpufeed.namespace import parse_options
+    from gpufeed.mount_options import parse_options
 
     work: Workload = workload(
         workload_name, scale=scale, samples=samples, samples_per_file=samples_per_file, record_size=record_size

@@ -64,7 +64,8 @@ def add(
     as_json: bool = typer.Option(False, "--json", help="Print the mount and its counts as one JSON object."),
 ) -> None:
     """List a source once into a manifest and mount it."""
-    from gpufeed.namespace import Namespace, parse_options
+    from gpufeed.mount_options import parse_options
+    from gpufeed.namespace import Namespace
 
     options = parse_options(opt)
     if listing is not None:

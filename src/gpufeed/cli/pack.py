@@ -38,7 +38,7 @@ def pack(
     an existing Ray cluster; its nodes need gpufeed, an agent, and the namespace's metadata on
     Redis (GPUFEED_META)."""
     from gpufeed.client import Client
-    from gpufeed.namespace import parse_options
+    from gpufeed.mount_options import parse_options
     from gpufeed.pack import packer
 
     started = time.monotonic()

@@ -1,6 +1,8 @@
 """The reading side of the one read path: `reader` (Client: path → handle → hit, agent fetch or
-source ranges), `plan` (pure: ranges → block pieces), `connection` (the agent socket), `file`
-(the file object), `writer` (a file being written: staged for the agent to upload).
+source ranges), `handles` (path → object pinned at its listed version, and its blocks),
+`fetches` (what the agent is asked to fetch), `direct` (reads straight from a store), `plan`
+(pure: ranges → block pieces), `connection` (the agent socket), `file` (the file object),
+`writer` (a file being written: staged for the agent to upload).
 
 The classes below are imported on first use, so a process that only talks to the agent
 (`gpufeed.client.connection`: `gpufeed agent status`, `gpufeed cache clear`) does not load the
@@ -13,14 +15,15 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpufeed.client.file import FeedFile
-    from gpufeed.client.reader import Client, ObjectHandle
+    from gpufeed.client.handles import ObjectHandle
+    from gpufeed.client.reader import Client
     from gpufeed.client.writer import FeedWriter
 
 _LAZY = {
     "Client": "gpufeed.client.reader",
     "FeedFile": "gpufeed.client.file",
     "FeedWriter": "gpufeed.client.writer",
-    "ObjectHandle": "gpufeed.client.reader",
+    "ObjectHandle": "gpufeed.client.handles",
 }
 
 

@@ -10,7 +10,8 @@ from gpufeed import arguments
 from gpufeed.cache import blockfile
 
 if TYPE_CHECKING:
-    from gpufeed.client.reader import Client, ObjectHandle
+    from gpufeed.client.handles import ObjectHandle
+    from gpufeed.client.reader import Client
 
 
 class FeedFile(io.RawIOBase):

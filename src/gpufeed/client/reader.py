@@ -9,62 +9,43 @@ no agent) the bytes come from the source.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing.util
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 from gpufeed import arguments, coverage
-from gpufeed.aio import run_blocking
-from gpufeed.blocks import WHOLE_OBJECT_MAX, CorruptBlock, object_blocks, overlap
-from gpufeed.cache import blockfile, openfiles
-from gpufeed.cache.layout import BlockRef
-from gpufeed.cache.openfiles import OpenBlocks
+from gpufeed.blocks import CorruptBlock, overlap
+from gpufeed.cache import blockfile
 from gpufeed.client import plan
-from gpufeed.client.connection import AgentClient, AgentUnavailable, HitReporter, Tally
+from gpufeed.client.connection import AgentClient, HitReporter
+from gpufeed.client.direct import DirectReads, explained
+from gpufeed.client.fetches import AgentFetches
 from gpufeed.client.file import FeedFile
+from gpufeed.client.handles import Handles, ObjectHandle
 from gpufeed.client.writer import FeedWriter
 from gpufeed.config import Settings
-from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing, WriteError, from_code
-from gpufeed.meta import Mount
-from gpufeed.namespace import CachePolicy, FileStat, Namespace, Resolved, is_writable, owner_only, source_options
+from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing, WriteError
+from gpufeed.mount_options import source_options
+from gpufeed.namespace import FileStat, Namespace
 from gpufeed.rpc.messages import (
-    Cancel,
     Credentials,
     Done,
-    Fetch,
-    Fetched,
-    Group,
-    ObjectWant,
-    Prefetch,
     Queued,
     Remove,
     SourceSpec,
     Sync,
     Synced,
 )
-from gpufeed.sources import ObjectInfo, Source
 from gpufeed.sources.credentials import caller_credentials
 from gpufeed.sources.local import LocalSource
 
 log = logging.getLogger("gpufeed")
 T = TypeVar("T")
-_K = TypeVar("_K")
-_V = TypeVar("_V")
 
-HANDLE_CACHE = 65536
-"""Handles a client remembers (a few hundred bytes each)."""
-CONTAINER_CACHE = 16384
-"""Pack shards a client remembers the pinned version and blocks of."""
-DIRECT_CONCURRENCY = 64
-"""Ranged GETs one batch keeps in flight when it reads from the source itself."""
-FETCH_BATCH = 4096
-"""Blocks in one agent fetch request; a bigger batch is sent in several."""
 WARM_STEP = 64
 """Blocks a warmup asks for at once: its progress moves every 256 MiB of a big object (4 MiB blocks)."""
 READ_AROUND_S = 2.0
@@ -89,79 +70,34 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _rememberable(mount: Mount, policy: CachePolicy, info: ObjectInfo, blocks: BlockRef | None) -> bool:
-    """Whether what an open found stays true for the mount's generation: not on mounts that
-    revalidate on open (--max-age) or are written (an entry changes, not the generation), nor
-    while the cache that should hold the blocks is unknown."""
-    return mount.max_age is None and not is_writable(mount) and (blocks is not None or not policy.enabled or info.size == 0)
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectHandle:
-    """One object at one version: every read through a handle sees the same bytes.
-    `blocks` is None when the mount does not cache (or no agent could be had).
-
-    A pack member (a file stored as a range of a shard) is a window of its shard: `info` and
-    `blocks` are the shard's, `member` is the file as listed, and the public reads translate
-    the file's offsets to the shard's (`extent`), so everything below reads, caches and
-    prefetches shard blocks."""
-
-    path: str
-    mount: Mount
-    source: Source
-    info: ObjectInfo
-    """The object read from the store: the file, or the shard a pack member lies in."""
-    tally: Tally
-    """Its mount's hits and stalls in this process, reported to the agent with the hits."""
-    blocks: BlockRef | None = None
-    member: ObjectInfo | None = None
-
-    @property
-    def size(self) -> int:
-        """The size of the file the path names."""
-        return self.info.size if self.member is None else self.member.size
-
-    @property
-    def listed(self) -> ObjectInfo:
-        """The file as the manifest lists it (its own size, mtime and content hash)."""
-        return self.info if self.member is None else self.member
-
-    def extent(self, start: int, end: int) -> tuple[int, int]:
-        """Bytes [start, end) of the file as offsets in the object read: unchanged for a file
-        of its own, clipped to the member and moved to its place in the shard for a member."""
-        member = self.member
-        if member is None:
-            return start, end
-        base = member.pack_offset or 0
-        start = min(start, member.size)
-        return base + start, base + max(start, min(end, member.size))
-
-
 class Client:
     def __init__(self, settings: Settings | None = None, namespace: Namespace | None = None) -> None:
         self.namespace = namespace or Namespace(settings)
         self.settings = self.namespace.settings
         self.agent = AgentClient(self.settings)
-        self.source_bytes = 0
-        """Bytes this client caused to be read from sources: its direct reads and the blocks
-        the agent fetched for it (a block another process had already asked for is not counted)."""
-        self.direct_bytes = 0
-        """Of those, the bytes this process read from sources itself, not through the agent."""
         self.hits = HitReporter(self.agent)
         # multiprocessing's finalizers run when a DataLoader worker exits (atexit does not run
         # there), so the hits a worker served reach the agent's counts and its eviction
         multiprocessing.util.Finalize(self, self.hits.flush, exitpriority=10)
         self._warned: set[str] = set()
         self._session = f"reads-{os.getpid()}-{id(self):x}"
+        self.handles = Handles(self.namespace, self.agent, self.hits, self._warn_once)
+        self.direct = DirectReads()
+        self.fetches = AgentFetches(self.agent, self._warn_once)
         self._lock = threading.Lock()
-        """Guards evictions from the bounded memories below (lookups need no lock)."""
-        self._handles: dict[str, ObjectHandle] = {}
-        self._containers: dict[tuple[str, int, str], tuple[ObjectInfo, BlockRef | None]] = {}
+        """Guards evictions from the read-around memory (lookups need no lock)."""
         self._read_around_since: dict[tuple[str, int], float] = {}
-        self._mounts_seen: list[Mount] | None = None
-        self._generation_of: dict[str, int] = {}
-        self._files: OpenBlocks | None = None
-        """The block files this process holds open between hits, once it knows the cache."""
+
+    @property
+    def source_bytes(self) -> int:
+        """Bytes this client caused to be read from sources: its direct reads and the blocks
+        the agent fetched for it (a block another process had already asked for is not counted)."""
+        return self.fetches.bytes + self.direct.bytes
+
+    @property
+    def direct_bytes(self) -> int:
+        """Of those, the bytes this process read from sources itself, not through the agent."""
+        return self.direct.bytes
 
     def close(self) -> None:
         self.hits.flush()
@@ -173,105 +109,13 @@ class Client:
             self._warned.add(topic)
             log.warning("gpufeed: warning: %s", message)  # recognisable under logging's last resort too
 
-    def _cache_dirs(self) -> tuple | None:
-        try:
-            dirs = self.agent.dirs
-        except AgentUnavailable as exc:
-            self._warn_once("agent", f"{exc}; reading without the cache")
-            return None
-        if self._files is None:
-            self._files = openfiles.for_cache(dirs[0], self.settings.open_blocks)
-            self.hits.every_check = self._files.check
-        return dirs
-
     def handle(self, path: str) -> ObjectHandle:
         """The object at `path`, pinned to the version its mount's manifest lists. Handles are
         remembered while their mount's generation is current (as the namespace's mount table
         sees it, so a refresh elsewhere shows within MOUNTS_TTL_S): a read by path then costs
         no manifest lookup. Mounts with --max-age revalidate on open and are not remembered, nor
         are writable mounts' (a write in another process changes an entry, not the generation)."""
-        known = self._handles.get(path)
-        if known is not None and self._generations().get(known.mount.path) == known.mount.generation:
-            return known
-        where, source, info = self.namespace.open_object(path)
-        mount = where.mount
-        policy = CachePolicy.of(mount, self.settings)
-        member = None
-        if info.pack_key is not None:
-            member, (info, blocks) = info, self._container(where, info, policy)
-        else:
-            blocks = self._blocks(mount, info, policy)
-        handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, self.hits.tally(mount.path), blocks, member)
-        if _rememberable(mount, policy, info, blocks):
-            self._remember(self._handles, path, handle, HANDLE_CACHE)
-        return handle
-
-    def _remember(self, memory: dict[_K, _V], key: _K, value: _V, limit: int) -> None:
-        """Keep `value` in one of the bounded memories, the oldest entry dropped when it is full."""
-        with self._lock:
-            if len(memory) >= limit:
-                del memory[next(iter(memory))]
-            memory[key] = value
-
-    def _blocks(self, mount: Mount, info: ObjectInfo, policy: CachePolicy) -> BlockRef | None:
-        """Where the object's blocks live in the node cache; None when it is not cached."""
-        if not policy.enabled or info.size <= 0 or (dirs := self._cache_dirs()) is None:
-            return None
-        identity = object_blocks(mount.url, source_options(mount), info, policy.block_size, not mount.immutable)
-        assert self._files is not None
-        return BlockRef.of(dirs, identity, policy.verify, self._files)
-
-    def _container(self, where: Resolved, member: ObjectInfo, policy: CachePolicy) -> tuple[ObjectInfo, BlockRef | None]:
-        """A pack member's shard, as its mount's manifest pins it, and its blocks: looked up once
-        per shard and mount generation, not once per member (a DataLoader worker that starts each
-        epoch opens every member it reads, some 37 to a 4 MiB block of a shard)."""
-        assert member.pack_key is not None
-        mount = where.mount
-        key = (mount.path, mount.generation, member.pack_key)
-        known = self._containers.get(key)
-        if known is None:
-            info = self.namespace.container(where, member)
-            known = (info, self._blocks(mount, info, policy))
-            if _rememberable(mount, policy, info, known[1]):
-                self._remember(self._containers, key, known, CONTAINER_CACHE)
-        return known
-
-    def _generations(self, *, fresh: bool = False) -> dict[str, int]:
-        mounts = self.namespace.mounts(fresh=fresh)
-        if mounts is not self._mounts_seen:
-            self._mounts_seen, self._generation_of = mounts, {m.path: m.generation for m in mounts}
-        return self._generation_of
-
-    def _explain(self, handle: ObjectHandle, exc: Exception) -> Exception:
-        """Name the namespace path and the way out in a source error about one object."""
-        return self._explain_path(handle.path, handle.mount.path, exc)
-
-    @staticmethod
-    def _explain_path(path: str, mount: str, exc: Exception) -> Exception:
-        if isinstance(exc, (ObjectMissing, ObjectChanged)):
-            what = "deleted" if isinstance(exc, ObjectMissing) else "changed"
-            return type(exc)(
-                f"{path}: {what} at the source since mount {mount} was listed ({exc}); run 'gpufeed mount refresh {mount}'"
-            )
-        return exc
-
-    def _direct(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
-        if end <= start:
-            return memoryview(b"")
-        try:
-            data = handle.source.get_range(handle.info.key, start, end, handle.info, conditional=not handle.mount.immutable)
-        except (ObjectMissing, ObjectChanged) as exc:
-            raise self._explain(handle, exc) from exc
-        return self._counted(handle, data, start, end)
-
-    def _counted(self, handle: ObjectHandle, data: memoryview, start: int, end: int) -> memoryview:
-        """Count bytes read from the source; a short read (an immutable mount's object that
-        shrank) is an error, never a piece padded with zeros."""
-        self.source_bytes += len(data)
-        self.direct_bytes += len(data)
-        if len(data) != end - start:
-            raise self._explain(handle, ObjectChanged(f"read {len(data)} of {end - start} bytes at offset {start}"))
-        return data
+        return self.handles.get(path)
 
     def read_range(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
         """Bytes [start, end) of the pinned version, clipped to the object's size."""
@@ -395,7 +239,7 @@ class Client:
                 if rest := [index for index in wanted if (oid, index) not in around]:
                     waiting.append((handle, rest, repairs))
             if waiting:
-                uncached = self._fetch(waiting)
+                uncached = self.fetches.fetch(waiting)
                 for (n, index), (lo, hi) in list(absent.items()):
                     ref = reads[n][0].blocks
                     if ref is None or (ref.oid, index) in uncached or (ref.oid, index) in around:
@@ -407,7 +251,7 @@ class Client:
                     except (FileNotFoundError, CorruptBlock):
                         pass  # evicted already (quota smaller than the working set): read through
         if absent:
-            pieces.update(self._direct_many({key: (reads[key[0]][0], lo, hi) for key, (lo, hi) in absent.items()}))
+            pieces.update(self.direct.many({key: (reads[key[0]][0], lo, hi) for key, (lo, hi) in absent.items()}))
         if waiting_on:
             self.hits.stalled(waiting_on, time.monotonic() - started)
         return [self._joined(pieces, n, handle, start, end) for n, (handle, start, end) in enumerate(reads)]
@@ -469,7 +313,7 @@ class Client:
         for n, (handle, start, end) in enumerate(reads):
             start, end = handle.extent(start, end)
             ranges[(n, 0)] = (handle, start, min(end, handle.info.size))
-        got = self._direct_many({key: r for key, r in ranges.items() if r[2] > r[1]})
+        got = self.direct.many({key: r for key, r in ranges.items() if r[2] > r[1]})
         return [got.get((n, 0), memoryview(b"")) for n in range(len(reads))]
 
     def read_once(self, paths: Sequence[str]) -> list[memoryview]:
@@ -505,84 +349,17 @@ class Client:
             try:
                 source.get_range_into(info.key, 0, target, info, conditional=not where.mount.immutable)
             except (ObjectMissing, ObjectChanged) as exc:
-                raise self._explain_path(f"{where.mount.path}/{where.key}", where.mount.path, exc) from exc
-            self.source_bytes += len(target)
-            self.direct_bytes += len(target)
+                raise explained(f"{where.mount.path}/{where.key}", where.mount.path, exc) from exc
+            self.direct.bytes += len(target)
         for n, data in zip(rest, self.read_once([paths[n] for n in rest]), strict=True):
             targets[n][:] = data
         return sizes
 
-    def _direct_many(self, ranges: dict[tuple[int, int], tuple[ObjectHandle, int, int]]) -> dict[tuple[int, int], memoryview]:
-        """Source reads. A range of an object the manifest holds a content hash for is cut from
-        one read of the whole object, which the source checks against the hash: its bytes are
-        never handed out unchecked, whether the cache is off, full or evicted them early."""
-        reads: dict[object, tuple[ObjectHandle, int, int]] = {}
-        cuts: dict[tuple[int, int], tuple[object, int, int]] = {}
-        for key, (handle, start, end) in ranges.items():
-            if handle.info.content_hash and handle.info.size <= WHOLE_OBJECT_MAX:
-                whole = (handle.path, handle.info.version)
-                reads.setdefault(whole, (handle, 0, handle.info.size))
-                cuts[key] = (whole, start, end)
-            else:
-                reads[key] = (handle, start, end)
-                cuts[key] = (key, 0, end - start)
-        got = self._direct_ranges(reads)
-        return {key: got[read][lo:hi] for key, (read, lo, hi) in cuts.items()}
-
-    def _direct_ranges(self, ranges: dict[object, tuple[ObjectHandle, int, int]]) -> dict[object, memoryview]:
-        """Source reads, up to DIRECT_CONCURRENCY in flight at once (one ranged GET each). A local
-        directory's are read one after another in this thread: a page-cache `preadv` costs less
-        than handing it to another thread or an event loop."""
-        got = {key: self._direct(handle, start, end) for key, (handle, start, end) in ranges.items() if handle.source.local}
-        remote = [(key, r) for key, r in ranges.items() if not r[0].source.local]
-        if len(remote) == 1:
-            ((key, (handle, start, end)),) = remote
-            got[key] = self._direct(handle, start, end)
-        elif remote:
-
-            async def gather() -> list[memoryview]:
-                slots = asyncio.Semaphore(DIRECT_CONCURRENCY)
-                return await asyncio.gather(*(self._direct_async(h, start, end, slots) for _, (h, start, end) in remote))
-
-            got.update(zip((key for key, _ in remote), run_blocking(gather()), strict=True))
-        return got
-
-    async def _direct_async(self, handle: ObjectHandle, start: int, end: int, slots: asyncio.Semaphore) -> memoryview:
-        try:
-            async with slots:
-                data = await handle.source.get_range_async(
-                    handle.info.key, start, end, handle.info, conditional=not handle.mount.immutable
-                )
-        except (ObjectMissing, ObjectChanged) as exc:
-            raise self._explain(handle, exc) from exc
-        return self._counted(handle, data, start, end)
-
-    @staticmethod
-    def _groups(wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> tuple[list[Group], list[ObjectHandle]]:
-        """Agent request groups: per source, the objects and which of their blocks to fetch
-        (and which to repair); and the objects in the order the agent numbers them."""
-        groups: dict[tuple[str, str, str], tuple[Group, list[ObjectHandle]]] = {}
-        for handle, blocks, repair in wanted:
-            info, mount = handle.info, handle.mount
-            assert handle.blocks is not None
-            options = source_options(mount)
-            key = (mount.url, repr(sorted(options.items())), mount.path)
-            if key not in groups:
-                credentials = Credentials(caller_credentials(mount.url, options))
-                groups[key] = (Group(SourceSpec(mount.url, options), [], credentials, mount.path, owner_only(mount)), [])
-            group, members = groups[key]
-            members.append(handle)
-            group.objects.append(ObjectWant(info, not mount.immutable, handle.blocks.block_size, blocks, repair))
-        return [group for group, _ in groups.values()], [h for _, members in groups.values() for h in members]
-
     def prefetch(
         self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool = True, ahead_samples: int = 0
     ) -> Queued:
-        """Ask the agent to fetch these blocks soon, for prefetch `session`; returns at once.
-        With `pin`, fetched blocks are not evicted until read or until the session ends.
-        Raises AgentUnavailable; see gpufeed.prefetch for the window that calls this."""
-        groups, _ = self._groups([(handle, blocks, []) for handle, blocks in wanted if handle.blocks is not None])
-        return self.agent.request(Prefetch(session, groups, pin, ahead_samples), Queued)
+        """Ask the agent to fetch these blocks soon (`AgentFetches.prefetch`); returns at once."""
+        return self.fetches.prefetch(wanted, session, pin=pin, ahead_samples=ahead_samples)
 
     def _hint(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> None:
         """Have the agent cache blocks this client reads around; nobody waits for them."""
@@ -592,54 +369,7 @@ class Client:
             pass  # a hint: the next read of these blocks fetches them itself
 
     def cancel_prefetch(self, session: str) -> None:
-        try:
-            self.agent.request(Cancel(session), Done, start=False)
-        except AgentUnavailable:
-            pass  # no agent, nothing queued
-
-    def _fetch(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> set[tuple[str, int]]:
-        """Ask the agent to publish these blocks (of one or many objects) and wait, FETCH_BATCH
-        blocks a request; returns the (object id, block) pairs it could not cache."""
-        uncached: set[tuple[str, int]] = set()
-        request: list[tuple[ObjectHandle, list[int], list[int]]] = []
-        count = 0
-        for handle, blocks, repair in wanted:
-            for first in range(0, len(blocks), FETCH_BATCH):
-                part = blocks[first : first + FETCH_BATCH]
-                if count + len(part) > FETCH_BATCH:
-                    uncached |= self._fetch_once(request)[0]
-                    request, count = [], 0
-                request.append((handle, part, [i for i in repair if i in part]))
-                count += len(part)
-        return uncached | self._fetch_once(request)[0] if request else uncached
-
-    def _fetch_once(
-        self, wanted: list[tuple[ObjectHandle, list[int], list[int]]], *, at_owners: bool = False
-    ) -> tuple[set[tuple[str, int]], int]:
-        """One Fetch request: the (object id, block) pairs not cached, and the bytes the agent
-        (or, `at_owners`, the cluster's owners) read from stores for it."""
-        groups, order = self._groups(wanted)
-        try:
-            reply = self.agent.request(Fetch(groups, at_owners), Fetched)
-        except AgentUnavailable as exc:
-            if at_owners:
-                raise
-            self._warn_once("agent", f"{exc}; reading without the cache")
-            return {(handle.blocks.oid, index) for handle, blocks, _ in wanted for index in blocks}, 0  # type: ignore[union-attr]
-        self.source_bytes += reply.fetched
-        if reply.failures:
-            failure = reply.failures[0]
-            error = from_code(failure.code, failure.message)
-            if failure.object is None:
-                raise error
-            handle = order[failure.object]
-            if isinstance(error, (ObjectMissing, ObjectChanged)):
-                raise self._explain(handle, error)
-            raise type(error)(f"{handle.path}: {error}")
-        uncached = {(order[number].blocks.oid, index) for number, index in reply.uncached}  # type: ignore[union-attr]
-        if uncached:
-            self._warn_once("uncached", f"the cache in {self.agent.primary} cannot hold more blocks; reading uncached")
-        return uncached, reply.fetched
+        self.fetches.cancel(session)
 
     def warm(self, handle: ObjectHandle, fetched: Callable[[int], None] | None = None, *, at_owners: bool = False) -> int:
         """Make every block of `handle` present in the node cache without reading it; returns
@@ -656,7 +386,7 @@ class Client:
         from_stores = 0
         for first in range(0, len(missing), WARM_STEP):
             part = missing[first : first + WARM_STEP]
-            from_stores += self._fetch_once([(handle, part, [])], at_owners=at_owners)[1]
+            from_stores += self.fetches.once([(handle, part, [])], at_owners=at_owners)[1]
             if fetched is not None:
                 fetched(sum(overlap(ref.block_size, i, lo, hi) for i in part))
         if at_owners:
@@ -702,8 +432,7 @@ class Client:
 
     def forget(self, path: str) -> None:
         """Drop what this process remembers of `path` (it was written or removed here)."""
-        with self._lock:
-            self._handles.pop(path, None)
+        self.handles.forget(path)
 
     def read(self, path: str | os.PathLike[str], offset: int = 0, length: int | None = None) -> bytes:
         path = arguments.path(path, "read")
@@ -733,11 +462,11 @@ class Client:
         """Run a read by path; if the source changed and a refresh (maybe in another process)
         switched a mount since this client last read the mount table, run it once more on the
         new generation instead of failing on a remembered handle."""
-        seen = self._generations()
+        seen = self.handles.generations()
         try:
             return attempt()
         except (ObjectChanged, ObjectMissing):
-            if self._generations(fresh=True) == seen:
+            if self.handles.generations(fresh=True) == seen:
                 raise
             return attempt()
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpufeed.cache.layout import writer_file
 from gpufeed.errors import WriteError
-from gpufeed.namespace import source_options
+from gpufeed.mount_options import source_options
 from gpufeed.rpc.messages import Commit, Committed, Credentials, SourceSpec
 from gpufeed.sources.credentials import caller_credentials
 

@@ -7,17 +7,20 @@ store configuration key, which obstore validates, so every store setting stays r
 
 from __future__ import annotations
 
+import difflib
 import os
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
+import obstore
 from obstore import exceptions as obx
 from obstore.store import AzureStore, GCSStore, LocalStore, S3Store
 
 from gpufeed.config import Settings
-from gpufeed.errors import InvalidArgument, PathNotFound
+from gpufeed.errors import GpufeedError, InvalidArgument, PathNotFound
+from gpufeed.sources import open_source
 from gpufeed.sources.base import parse_bool
 from gpufeed.sources.local import LocalSource
 from gpufeed.sources.objstore import ObstoreSource
@@ -192,3 +195,26 @@ def azure_source(url: str, parts: SplitResult, options: dict[str, str], settings
         client_options=client_options(settings, endpoint),
         retry_config=retry_config(settings),
     )
+
+
+def nearest_prefix(url: str, options: dict[str, str], settings: Settings) -> str | None:
+    """The sibling prefix of `url` whose name is closest to its last component, found with
+    one delimiter LIST of the parent; None when there is none or the parent cannot be listed."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() in ("http", "https"):
+        return None  # HTTP has no delimiter listing
+    parent_path, _, name = parts.path.rstrip("/").rpartition("/")
+    if not name:
+        return None
+    parent_url = urlunsplit(parts._replace(path=parent_path or ("/" if parts.scheme == "file" else "")))
+    try:
+        store = getattr(open_source(parent_url, options, settings), "store", None)
+        if store is None:
+            return None
+        listing = obstore.list_with_delimiter(store)
+    except (GpufeedError, obx.BaseError, OSError):  # a hint only: any failure means no hint
+        return None
+    names = [prefix.rstrip("/").rpartition("/")[2] for prefix in listing["common_prefixes"]]
+    names = [n for n in names if n != name]
+    match = difflib.get_close_matches(name, names, n=1)
+    return f"{parent_url.rstrip('/')}/{match[0]}" if match else None

@@ -17,7 +17,8 @@ import numpy as np
 
 from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument
-from gpufeed.namespace import CachePolicy, FileStat
+from gpufeed.mount_options import CachePolicy
+from gpufeed.namespace import FileStat
 from gpufeed.prefetch import Read
 
 

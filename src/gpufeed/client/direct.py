@@ -1,0 +1,95 @@
+"""Reads straight from a store, pinned to a handle's version and checked as the store and the
+manifest allow: what a read falls back to when nothing can cache (the cache off or full, no
+agent), what a sparse batch reads around the blocks it asked the agent for, and the one pass of
+`gpufeed pack` and `gpufeed verify`."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gpufeed.aio import run_blocking
+from gpufeed.blocks import WHOLE_OBJECT_MAX
+from gpufeed.client.handles import ObjectHandle
+from gpufeed.errors import ObjectChanged, ObjectMissing
+
+DIRECT_CONCURRENCY = 64
+"""Ranged GETs one batch keeps in flight when it reads from the source itself."""
+
+
+def explained(path: str, mount: str, exc: Exception) -> Exception:
+    """Name the namespace path and the way out in a source error about one object."""
+    if isinstance(exc, (ObjectMissing, ObjectChanged)):
+        what = "deleted" if isinstance(exc, ObjectMissing) else "changed"
+        return type(exc)(
+            f"{path}: {what} at the source since mount {mount} was listed ({exc}); run 'gpufeed mount refresh {mount}'"
+        )
+    return exc
+
+
+class DirectReads:
+    def __init__(self) -> None:
+        self.bytes = 0
+        """Bytes this process read from sources itself, not through the agent."""
+
+    def many(self, ranges: dict[tuple[int, int], tuple[ObjectHandle, int, int]]) -> dict[tuple[int, int], memoryview]:
+        """Source reads. A range of an object the manifest holds a content hash for is cut from
+        one read of the whole object, which the source checks against the hash: its bytes are
+        never handed out unchecked, whether the cache is off, full or evicted them early."""
+        reads: dict[object, tuple[ObjectHandle, int, int]] = {}
+        cuts: dict[tuple[int, int], tuple[object, int, int]] = {}
+        for key, (handle, start, end) in ranges.items():
+            if handle.info.content_hash and handle.info.size <= WHOLE_OBJECT_MAX:
+                whole = (handle.path, handle.info.version)
+                reads.setdefault(whole, (handle, 0, handle.info.size))
+                cuts[key] = (whole, start, end)
+            else:
+                reads[key] = (handle, start, end)
+                cuts[key] = (key, 0, end - start)
+        got = self._ranges(reads)
+        return {key: got[read][lo:hi] for key, (read, lo, hi) in cuts.items()}
+
+    def _ranges(self, ranges: dict[object, tuple[ObjectHandle, int, int]]) -> dict[object, memoryview]:
+        """Source reads, up to DIRECT_CONCURRENCY in flight at once (one ranged GET each). A local
+        directory's are read one after another in this thread: a page-cache `preadv` costs less
+        than handing it to another thread or an event loop."""
+        got = {key: self._one(handle, start, end) for key, (handle, start, end) in ranges.items() if handle.source.local}
+        remote = [(key, r) for key, r in ranges.items() if not r[0].source.local]
+        if len(remote) == 1:
+            ((key, (handle, start, end)),) = remote
+            got[key] = self._one(handle, start, end)
+        elif remote:
+
+            async def gather() -> list[memoryview]:
+                slots = asyncio.Semaphore(DIRECT_CONCURRENCY)
+                return await asyncio.gather(*(self._one_async(h, start, end, slots) for _, (h, start, end) in remote))
+
+            got.update(zip((key for key, _ in remote), run_blocking(gather()), strict=True))
+        return got
+
+    def _one(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
+        if end <= start:
+            return memoryview(b"")
+        try:
+            data = handle.source.get_range(handle.info.key, start, end, handle.info, conditional=not handle.mount.immutable)
+        except (ObjectMissing, ObjectChanged) as exc:
+            raise explained(handle.path, handle.mount.path, exc) from exc
+        return self._counted(handle, data, start, end)
+
+    async def _one_async(self, handle: ObjectHandle, start: int, end: int, slots: asyncio.Semaphore) -> memoryview:
+        try:
+            async with slots:
+                data = await handle.source.get_range_async(
+                    handle.info.key, start, end, handle.info, conditional=not handle.mount.immutable
+                )
+        except (ObjectMissing, ObjectChanged) as exc:
+            raise explained(handle.path, handle.mount.path, exc) from exc
+        return self._counted(handle, data, start, end)
+
+    def _counted(self, handle: ObjectHandle, data: memoryview, start: int, end: int) -> memoryview:
+        """Count bytes read from the source; a short read (an immutable mount's object that
+        shrank) is an error, never a piece padded with zeros."""
+        self.bytes += len(data)
+        if len(data) != end - start:
+            short = ObjectChanged(f"read {len(data)} of {end - start} bytes at offset {start}")
+            raise explained(handle.path, handle.mount.path, short)
+        return data

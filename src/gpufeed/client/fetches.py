@@ -1,0 +1,104 @@
+"""What a client asks the node agent for: blocks to publish while it waits (a batch's misses, a
+warmup), and blocks to fetch soon (prefetch, and the blocks a sparse batch reads around)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gpufeed.client.connection import AgentClient, AgentUnavailable
+from gpufeed.client.direct import explained
+from gpufeed.client.handles import ObjectHandle
+from gpufeed.errors import ObjectChanged, ObjectMissing, from_code
+from gpufeed.mount_options import owner_only, source_options
+from gpufeed.rpc.messages import Cancel, Credentials, Done, Fetch, Fetched, Group, ObjectWant, Prefetch, Queued, SourceSpec
+from gpufeed.sources.credentials import caller_credentials
+
+FETCH_BATCH = 4096
+"""Blocks in one agent fetch request; a bigger batch is sent in several."""
+
+
+class AgentFetches:
+    def __init__(self, agent: AgentClient, warn: Callable[[str, str], None]) -> None:
+        self.agent = agent
+        self._warn = warn
+        self.bytes = 0
+        """Bytes the agent read from sources for this client's requests (a block another process
+        had already asked for is not counted)."""
+
+    def prefetch(
+        self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool = True, ahead_samples: int = 0
+    ) -> Queued:
+        """Ask the agent to fetch these blocks soon, for prefetch `session`; returns at once.
+        With `pin`, fetched blocks are not evicted until read or until the session ends.
+        Raises AgentUnavailable; see gpufeed.prefetch for the window that calls this."""
+        groups, _ = self._groups([(handle, blocks, []) for handle, blocks in wanted if handle.blocks is not None])
+        return self.agent.request(Prefetch(session, groups, pin, ahead_samples), Queued)
+
+    def cancel(self, session: str) -> None:
+        """Drop what prefetch `session` still has queued."""
+        try:
+            self.agent.request(Cancel(session), Done, start=False)
+        except AgentUnavailable:
+            pass  # no agent, nothing queued
+
+    def fetch(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> set[tuple[str, int]]:
+        """Ask the agent to publish these blocks (of one or many objects) and wait, FETCH_BATCH
+        blocks a request; returns the (object id, block) pairs it could not cache."""
+        uncached: set[tuple[str, int]] = set()
+        request: list[tuple[ObjectHandle, list[int], list[int]]] = []
+        count = 0
+        for handle, blocks, repair in wanted:
+            for first in range(0, len(blocks), FETCH_BATCH):
+                part = blocks[first : first + FETCH_BATCH]
+                if count + len(part) > FETCH_BATCH:
+                    uncached |= self.once(request)[0]
+                    request, count = [], 0
+                request.append((handle, part, [i for i in repair if i in part]))
+                count += len(part)
+        return uncached | self.once(request)[0] if request else uncached
+
+    def once(
+        self, wanted: list[tuple[ObjectHandle, list[int], list[int]]], *, at_owners: bool = False
+    ) -> tuple[set[tuple[str, int]], int]:
+        """One Fetch request: the (object id, block) pairs not cached, and the bytes the agent
+        (or, `at_owners`, the cluster's owners) read from stores for it."""
+        groups, order = self._groups(wanted)
+        try:
+            reply = self.agent.request(Fetch(groups, at_owners), Fetched)
+        except AgentUnavailable as exc:
+            if at_owners:
+                raise
+            self._warn("agent", f"{exc}; reading without the cache")
+            return {(handle.blocks.oid, index) for handle, blocks, _ in wanted for index in blocks}, 0  # type: ignore[union-attr]
+        self.bytes += reply.fetched
+        if reply.failures:
+            failure = reply.failures[0]
+            error = from_code(failure.code, failure.message)
+            if failure.object is None:
+                raise error
+            handle = order[failure.object]
+            if isinstance(error, (ObjectMissing, ObjectChanged)):
+                raise explained(handle.path, handle.mount.path, error)
+            raise type(error)(f"{handle.path}: {error}")
+        uncached = {(order[number].blocks.oid, index) for number, index in reply.uncached}  # type: ignore[union-attr]
+        if uncached:
+            self._warn("uncached", f"the cache in {self.agent.primary} cannot hold more blocks; reading uncached")
+        return uncached, reply.fetched
+
+    @staticmethod
+    def _groups(wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> tuple[list[Group], list[ObjectHandle]]:
+        """Agent request groups: per source, the objects and which of their blocks to fetch
+        (and which to repair); and the objects in the order the agent numbers them."""
+        groups: dict[tuple[str, str, str], tuple[Group, list[ObjectHandle]]] = {}
+        for handle, blocks, repair in wanted:
+            info, mount = handle.info, handle.mount
+            assert handle.blocks is not None
+            options = source_options(mount)
+            key = (mount.url, repr(sorted(options.items())), mount.path)
+            if key not in groups:
+                credentials = Credentials(caller_credentials(mount.url, options))
+                groups[key] = (Group(SourceSpec(mount.url, options), [], credentials, mount.path, owner_only(mount)), [])
+            group, members = groups[key]
+            members.append(handle)
+            group.objects.append(ObjectWant(info, not mount.immutable, handle.blocks.block_size, blocks, repair))
+        return [group for group, _ in groups.values()], [h for _, members in groups.values() for h in members]
