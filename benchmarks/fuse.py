@@ -15,10 +15,11 @@ everyone (nothing is dropped between epochs). gpufeed's mount warms the mounted 
 background from the moment it is mounted, as `gpufeed fuse` does by default; the loop starts
 at once. Python callbacks per file open are counted by the daemon (`gpufeed fuse ls`).
 
-A second gpufeed loop reads the same files from nginx (--skip nginx leaves it out): moto, the
-S3 server, spends about 2 ms of this machine's CPU per cold object, which on a real node the
-remote store spends; the CPU of the daemon, the agent, the shaper and the store server is
-printed per gpufeed epoch.
+A second gpufeed loop reads the same files from nginx (--skip nginx leaves it out), and so does
+rclone's HTTP remote (from an nginx listing its directories as HTML pages, which rclone parses):
+moto, the S3 server, spends about 2 ms of this machine's CPU per cold object, which on a real
+node the remote store spends. Each peer is compared with gpufeed at the same store. The CPU of
+the daemon, the agent, the shaper and the store server is printed per gpufeed epoch.
 
 The big file: --big-mib of random bytes on local disk, mounted as file:// and loaded into
 the node cache with `gpufeed warmup`; then `cat` of it through the mount against `cat` of the
@@ -122,6 +123,20 @@ def rclone_mount(point: Path, endpoint: str, cache: Path) -> Iterator[Path]:
     argv = ["rclone", "mount", f":s3:{BUCKET}/train", str(point), "--read-only", "--vfs-cache-mode", "full",
             "--cache-dir", str(cache), "--s3-provider", "Other", "--s3-endpoint", endpoint, "--s3-region", "us-east-1",
             "--s3-access-key-id", "testing", "--s3-secret-access-key", "testing", "--config", "/dev/null"]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=plain_env())
+    wait_mounted(point, process, "rclone")
+    try:
+        yield point
+    finally:
+        unmount(point, process)
+
+
+@contextmanager
+def rclone_http_mount(point: Path, url: str, cache: Path) -> Iterator[Path]:
+    """rclone's HTTP remote over the same files at nginx (it lists nginx's HTML index)."""
+    point.mkdir()
+    argv = ["rclone", "mount", ":http:", str(point), "--http-url", url, "--read-only", "--vfs-cache-mode", "full",
+            "--cache-dir", str(cache), "--config", "/dev/null"]  # fmt: skip
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=plain_env())
     wait_mounted(point, process, "rclone")
     try:
@@ -288,6 +303,13 @@ def main() -> None:
                     Namespace().add_mount("/http", f"http://127.0.0.1:{shaped}/{root.name}")
                     with gpufeed_mount(work / "mnt-http", "/http") as point:
                         loops.append(run_loop("gpufeed fuse, nginx", point, args, step_s, gpufeed_at=point))
+            if "rclone" not in skip and shutil.which("rclone"):  # the same store for rclone: its HTTP remote
+                with serving(root.parent, work / "nginx-html", index="html") as html_url:
+                    port = int(html_url.rsplit(":", 1)[1])
+                    with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper-html.log") as shaped, \
+                            rclone_http_mount(work / "mnt-rclone-http", f"http://127.0.0.1:{shaped}/{root.name}/",
+                                              work / "rclone-http-cache") as point:
+                        loops.append(run_loop("rclone vfs-cache full, nginx", point, args, step_s))
         loops.append(run_loop("local disk, again", root, args, step_s))
         big = [] if "big" in skip else big_file(work, args.big_mib)
 
@@ -298,10 +320,11 @@ def main() -> None:
         print(f"{loop.name:<24} {' '.join(cells)}")
     print(f"(local: the mean of its loop before and after the others: epoch 1 {local_rate[0]:,.0f}, "
           f"epoch 2 {local_rate[1]:,.0f} samples/s)")  # fmt: skip
-    feed = next(loop for loop in loops if loop.name == "gpufeed fuse")
-    for loop in loops:
+    for loop in loops:  # each peer against gpufeed at the same store
         if loop.name.startswith(("rclone", "s3fs")):
-            print(f"gpufeed fuse vs {loop.name}: epoch 1 {feed.epochs[0].samples_s / loop.epochs[0].samples_s:.1f}x, "
+            at_nginx = loop.name.endswith(", nginx")
+            feed = next(f for f in loops if f.name == ("gpufeed fuse, nginx" if at_nginx else "gpufeed fuse"))
+            print(f"{feed.name} vs {loop.name}: epoch 1 {feed.epochs[0].samples_s / loop.epochs[0].samples_s:.1f}x, "
                   f"epoch 2 {feed.epochs[1].samples_s / loop.epochs[1].samples_s:.1f}x")  # fmt: skip
     for loop in (loop for loop in loops if loop.callbacks):
         for n, (epoch, text, daemon) in enumerate(zip(loop.epochs, loop.callbacks, loop.daemon_cpu_s, strict=True), 1):

@@ -42,7 +42,7 @@ http {{
         location / {{
             root {root};
             autoindex on;
-            autoindex_format json;
+            autoindex_format {index};
         }}
     }}
 }}
@@ -54,19 +54,23 @@ def find_nginx() -> str | None:
 
 
 @contextmanager
-def serving(root: Path, run_dir: Path, *, prefer_nginx: bool = True, access_log: Path | None = None) -> Iterator[str]:
+def serving(
+    root: Path, run_dir: Path, *, prefer_nginx: bool = True, access_log: Path | None = None, index: str = "json"
+) -> Iterator[str]:
     """Serve `root` until the block ends; yields the base URL (http://127.0.0.1:PORT).
     `run_dir` holds the server's config and logs. With `access_log`, nginx logs every request
-    there (to count what reached the store); that needs nginx."""
-    nginx = find_nginx() if prefer_nginx or access_log else None
+    there (to count what reached the store); that needs nginx. `index="html"` lists directories
+    as web pages (what other tools' HTTP remotes parse, rclone's among them); that needs nginx too."""
+    nginx = find_nginx() if prefer_nginx or access_log or index != "json" else None
     run_dir.mkdir(parents=True, exist_ok=True)
-    if access_log is not None and nginx is None:
-        raise InvalidArgument("counting requests at the server needs nginx (apt-get install nginx-light)")
+    if (access_log is not None or index != "json") and nginx is None:
+        what = "counting requests at the server" if access_log is not None else "an HTML directory index"
+        raise InvalidArgument(f"{what} needs nginx (apt-get install nginx-light)")
     if nginx is not None:
         port = free_port()
         conf = run_dir / "nginx.conf"
         log = str(access_log) if access_log is not None else "off"
-        conf.write_text(NGINX_CONF.format(run=run_dir, port=port, root=root.resolve(), access_log=log))
+        conf.write_text(NGINX_CONF.format(run=run_dir, port=port, root=root.resolve(), access_log=log, index=index))
         argv = [nginx, "-c", str(conf), "-e", str(run_dir / "nginx-error.log")]
         with helper(argv, "nginx", run_dir / "nginx.log", port=port):
             yield f"http://127.0.0.1:{port}"
