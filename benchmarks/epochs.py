@@ -63,6 +63,7 @@ from gpufeed.namespace import Namespace
 
 BUCKET = "epochs"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+S3RVER_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def decode(data: bytes) -> torch.Tensor:
@@ -273,7 +274,7 @@ def feed_loader(
 
 @contextmanager
 def s3_store(work: Path, root: Path) -> Iterator[str]:
-    """moto's S3 server holding the JPEGs; yields its endpoint."""
+    """moto's S3 server holding the JPEGs under train/; yields its endpoint."""
     import boto3
 
     moto = shutil.which("moto_server", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
@@ -282,12 +283,38 @@ def s3_store(work: Path, root: Path) -> Iterator[str]:
     port = free_port()
     with helper([moto, "-H", "127.0.0.1", "-p", str(port)], "moto_server", work / "moto.log", port=port):
         endpoint = f"http://127.0.0.1:{port}"
-        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        s3.create_bucket(Bucket=BUCKET)
-        with ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda p: s3.put_object(Bucket=BUCKET, Key=f"train/{p.name}", Body=p.read_bytes()),
-                          sorted(root.iterdir())))
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        upload(endpoint, root, "train")
         yield endpoint
+
+
+@contextmanager
+def s3rver_store(work: Path, root: Path) -> Iterator[str]:
+    """s3rver holding the JPEGs under train/; yields its endpoint."""
+    if shutil.which("s3rver") is None:
+        sys.exit("s3rver is not installed: npm install -g s3rver")
+    port = free_port()
+    argv = ["s3rver", "-d", str(work / "s3rver"), "-p", str(port), "-a", "127.0.0.1", "--configure-bucket", BUCKET]
+    legacy = {"NODE_OPTIONS": "--openssl-legacy-provider"}  # its continuation tokens (past 1,000 keys) use an old cipher
+    with helper(argv, "s3rver", work / "s3rver.log", port=port, env=legacy):
+        endpoint = f"http://127.0.0.1:{port}"
+        upload(endpoint, root, "train")
+        yield endpoint
+
+
+def upload(endpoint: str, local: Path, prefix: str) -> None:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    files = [p for p in local.rglob("*") if p.is_file()]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda p: s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{p.relative_to(local)}", Body=p.read_bytes()), files))
+
+
+S3_SERVERS = {"moto": (s3_store, CREDENTIALS), "s3rver": (s3rver_store, S3RVER_CREDENTIALS)}
+"""The S3 servers a benchmark can use, with the credentials each takes: moto (the tests' server,
+which reads a whole object for every ranged GET and costs this machine milliseconds of CPU per
+GET) and s3rver (ranges served from disk, and cheaper per GET)."""
 
 
 def main() -> None:

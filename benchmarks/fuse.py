@@ -3,11 +3,13 @@ against the same loop on local disk and through rclone (`--vfs-cache-mode full`)
 mounts of the same store, 20 ms away; and a warm sequential read of a big file.
 
     python benchmarks/fuse.py [--files 3000] [--size 113000] [--workers 2] [--batch 32]
-                              [--latency-ms 20] [--busy 0.9] [--big-mib 1024] [--skip rclone,s3fs]
+                              [--latency-ms 20] [--busy 0.9] [--big-mib 1024] [--store moto|s3rver]
+                              [--skip rclone,s3fs,nginx,big]
 
 The JPEGs and the accelerator step come from benchmarks/epochs.py (the step is calibrated so
 the loop on local disk keeps the accelerator --busy of the time; --busy 0 runs no step: data
-only). Every mount serves the same S3 bucket (moto) behind the project's latency shaper; every
+only). Every mount serves the same S3 bucket (moto, or s3rver with --store s3rver: it serves
+from disk and spends less of this machine's CPU per GET) behind the project's latency shaper; every
 loop uses the same --workers DataLoader workers and the same shuffled order. The kernel's page
 cache is dropped before each loop's first epoch, so epoch 1 is cold for everyone (gpufeed's
 node cache is new too: nothing of this dataset was ever fetched); epoch 2 is warm for
@@ -17,9 +19,10 @@ at once. Python callbacks per file open are counted by the daemon (`gpufeed fuse
 
 A second gpufeed loop reads the same files from nginx (--skip nginx leaves it out), and so does
 rclone's HTTP remote (from an nginx listing its directories as HTML pages, which rclone parses):
-moto, the S3 server, spends about 2 ms of this machine's CPU per cold object, which on a real
-node the remote store spends. Each peer is compared with gpufeed at the same store. The CPU of
-the daemon, the agent, the shaper and the store server is printed per gpufeed epoch.
+an S3 server on this machine spends milliseconds of its CPU per cold object (moto 2 to 7 ms,
+s3rver about 1), which on a real node the remote store spends. Each peer is compared with
+gpufeed at the same store. The CPU of the daemon, the agent, the shaper and the store server
+is printed per gpufeed epoch.
 
 The big file: --big-mib of random bytes on local disk, mounted as file:// and loaded into
 the node cache with `gpufeed warmup`; then `cat` of it through the mount against `cat` of the
@@ -44,7 +47,7 @@ from pathlib import Path
 
 import torch
 from common import scratch_home
-from epochs import BUCKET, CREDENTIALS, Epoch, calibrate, collate, cpu_s, make_jpegs, run_epoch, s3_store
+from epochs import BUCKET, S3_SERVERS, Epoch, calibrate, collate, cpu_s, make_jpegs, run_epoch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
@@ -118,48 +121,37 @@ def gpufeed_mount(point: Path, nspath: str, warmup: bool = True) -> Iterator[Pat
 
 
 @contextmanager
-def rclone_mount(point: Path, endpoint: str, cache: Path) -> Iterator[Path]:
+def peer_mount(point: Path, name: str, argv: list[str]) -> Iterator[Path]:
+    """Another tool's FUSE mount (`argv`, which serves in the foreground) at `point`, until the block ends."""
     point.mkdir()
-    argv = ["rclone", "mount", f":s3:{BUCKET}/train", str(point), "--read-only", "--vfs-cache-mode", "full",
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=plain_env())
+    wait_mounted(point, process, name)
+    try:
+        yield point
+    finally:
+        unmount(point, process)
+
+
+def rclone_s3(point: Path, endpoint: str, cache: Path) -> list[str]:
+    return ["rclone", "mount", f":s3:{BUCKET}/train", str(point), "--read-only", "--vfs-cache-mode", "full",
             "--cache-dir", str(cache), "--s3-provider", "Other", "--s3-endpoint", endpoint, "--s3-region", "us-east-1",
-            "--s3-access-key-id", "testing", "--s3-secret-access-key", "testing", "--config", "/dev/null"]  # fmt: skip
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=plain_env())
-    wait_mounted(point, process, "rclone")
-    try:
-        yield point
-    finally:
-        unmount(point, process)
+            "--s3-access-key-id", os.environ["AWS_ACCESS_KEY_ID"], "--s3-secret-access-key",
+            os.environ["AWS_SECRET_ACCESS_KEY"], "--config", "/dev/null"]  # fmt: skip
 
 
-@contextmanager
-def rclone_http_mount(point: Path, url: str, cache: Path) -> Iterator[Path]:
+def rclone_http(point: Path, url: str, cache: Path) -> list[str]:
     """rclone's HTTP remote over the same files at nginx (it lists nginx's HTML index)."""
-    point.mkdir()
-    argv = ["rclone", "mount", ":http:", str(point), "--http-url", url, "--read-only", "--vfs-cache-mode", "full",
+    return ["rclone", "mount", ":http:", str(point), "--http-url", url, "--read-only", "--vfs-cache-mode", "full",
             "--cache-dir", str(cache), "--config", "/dev/null"]  # fmt: skip
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=plain_env())
-    wait_mounted(point, process, "rclone")
-    try:
-        yield point
-    finally:
-        unmount(point, process)
 
 
-@contextmanager
-def s3fs_mount(point: Path, endpoint: str, cache: Path) -> Iterator[Path]:
-    point.mkdir()
+def s3fs(point: Path, endpoint: str, cache: Path) -> list[str]:
     cache.mkdir()
     secrets = point.parent / "s3fs-passwd"
-    secrets.write_text("testing:testing\n")
+    secrets.write_text(f"{os.environ['AWS_ACCESS_KEY_ID']}:{os.environ['AWS_SECRET_ACCESS_KEY']}\n")
     secrets.chmod(0o600)
-    argv = ["s3fs", f"{BUCKET}:/train", str(point), "-f", "-o", f"url={endpoint}", "-o", "use_path_request_style",
+    return ["s3fs", f"{BUCKET}:/train", str(point), "-f", "-o", f"url={endpoint}", "-o", "use_path_request_style",
             "-o", f"passwd_file={secrets}", "-o", f"use_cache={cache}", "-o", "ro"]  # fmt: skip
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=plain_env())
-    wait_mounted(point, process, "s3fs")
-    try:
-        yield point
-    finally:
-        unmount(point, process)
 
 
 @dataclass
@@ -256,12 +248,14 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--busy", type=float, default=0.9, help="accelerator busy share on local disk (0: no step)")
     parser.add_argument("--big-mib", type=int, default=1024)
+    parser.add_argument("--store", choices=sorted(S3_SERVERS), default="moto", help="the S3 server every S3 mount reads")
     parser.add_argument("--skip", default="", help="comma-separated: rclone, s3fs, nginx, big")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if os.geteuid() != 0:
         sys.exit("run as root: every loop starts with the page cache dropped (/proc/sys/vm/drop_caches)")
-    os.environ.update(CREDENTIALS)
+    store, credentials = S3_SERVERS[args.store]
+    os.environ.update(credentials)
     torch.set_num_threads(1)
 
     with scratch_home("gpufeed-fuse-") as work:
@@ -278,11 +272,11 @@ def main() -> None:
         data_only = max((local(0.0) for _ in range(2)), key=lambda epoch: epoch.samples_s)
         step_s = calibrate(local, args.busy * args.batch / data_only.samples_s, args.busy) if args.busy else 0.0
         print(f"{args.files} JPEGs, {total / 2**20:,.0f} MiB; batch {args.batch}, {args.workers} DataLoader workers for "
-              f"every loop; store: moto S3 {args.latency_ms:g} ms away; accelerator step {step_s * 1000:.0f} ms "
+              f"every loop; store: {args.store} S3 {args.latency_ms:g} ms away; accelerator step {step_s * 1000:.0f} ms "
               f"(local disk alone feeds {data_only.samples_s:,.0f} samples/s)", flush=True)  # fmt: skip
 
         loops = [run_loop("local disk", root, args, step_s)]
-        with s3_store(work, root) as endpoint:
+        with store(work, root) as endpoint:
             port = int(endpoint.rsplit(":", 1)[1])
             with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper.log") as shaped:
                 remote = f"http://127.0.0.1:{shaped}"
@@ -291,10 +285,12 @@ def main() -> None:
                 with gpufeed_mount(work / "mnt-gpufeed", "/s3") as point:
                     loops.append(run_loop("gpufeed fuse", point, args, step_s, gpufeed_at=point))
                 if "rclone" not in skip and shutil.which("rclone"):
-                    with rclone_mount(work / "mnt-rclone", remote, work / "rclone-cache") as point:
+                    point = work / "mnt-rclone"
+                    with peer_mount(point, "rclone", rclone_s3(point, remote, work / "rclone-cache")):
                         loops.append(run_loop("rclone vfs-cache full", point, args, step_s))
                 if "s3fs" not in skip and shutil.which("s3fs"):
-                    with s3fs_mount(work / "mnt-s3fs", remote, work / "s3fs-cache") as point:
+                    point = work / "mnt-s3fs"
+                    with peer_mount(point, "s3fs", s3fs(point, remote, work / "s3fs-cache")):
                         loops.append(run_loop("s3fs use_cache", point, args, step_s))
         if "nginx" not in skip:  # the same files at a store whose server costs this machine little CPU
             with serving(root.parent, work / "nginx") as http_url:
@@ -306,10 +302,11 @@ def main() -> None:
             if "rclone" not in skip and shutil.which("rclone"):  # the same store for rclone: its HTTP remote
                 with serving(root.parent, work / "nginx-html", index="html") as html_url:
                     port = int(html_url.rsplit(":", 1)[1])
-                    with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper-html.log") as shaped, \
-                            rclone_http_mount(work / "mnt-rclone-http", f"http://127.0.0.1:{shaped}/{root.name}/",
-                                              work / "rclone-http-cache") as point:
-                        loops.append(run_loop("rclone vfs-cache full, nginx", point, args, step_s))
+                    point = work / "mnt-rclone-http"
+                    with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper-html.log") as shaped:
+                        argv = rclone_http(point, f"http://127.0.0.1:{shaped}/{root.name}/", work / "rclone-http-cache")
+                        with peer_mount(point, "rclone", argv):
+                            loops.append(run_loop("rclone vfs-cache full, nginx", point, args, step_s))
         loops.append(run_loop("local disk, again", root, args, step_s))
         big = [] if "big" in skip else big_file(work, args.big_mib)
 

@@ -45,14 +45,11 @@ import hashlib
 import importlib.machinery
 import os
 import re
-import shutil
 import statistics
 import sys
 import time
 import types
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +57,7 @@ import torch
 from common import scratch_home, small_files
 from epochs import (
     BUCKET,
-    CREDENTIALS,
+    S3_SERVERS,
     Epoch,
     LocalFiles,
     calibrate,
@@ -69,18 +66,15 @@ from epochs import (
     feed_loader,
     make_jpegs,
     run_epoch,
-    s3_store,
+    upload,
 )
 from torch.utils.data import DataLoader, RandomSampler
 
 import gpufeed
-from gpufeed.bench.children import free_port, helper
 from gpufeed.bench.shaper import shaping
 from gpufeed.integrations.torch import FeedDataset
 from gpufeed.namespace import Namespace
 from gpufeed.pack import packer
-
-S3RVER_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def import_mosaic() -> Any:
@@ -201,30 +195,6 @@ class Gets:
         return new
 
 
-@contextmanager
-def s3rver_store(work: Path, root: Path) -> Iterator[str]:
-    """s3rver (ranges served from disk, where moto reads the whole object for each) holding the
-    JPEGs under train/; yields its endpoint."""
-    if shutil.which("s3rver") is None:
-        sys.exit("s3rver is not installed: npm install -g s3rver")
-    port = free_port()
-    argv = ["s3rver", "-d", str(work / "s3rver"), "-p", str(port), "-a", "127.0.0.1", "--configure-bucket", BUCKET]
-    legacy = {"NODE_OPTIONS": "--openssl-legacy-provider"}  # its continuation tokens (past 1,000 keys) use an old cipher
-    with helper(argv, "s3rver", work / "s3rver.log", port=port, env=legacy):
-        endpoint = f"http://127.0.0.1:{port}"
-        upload(endpoint, root, "train")
-        yield endpoint
-
-
-def upload(endpoint: str, local: Path, prefix: str) -> None:
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    files = [p for p in local.rglob("*") if p.is_file()]
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda p: s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{p.relative_to(local)}", Body=p.read_bytes()), files))
-
-
 def mosaic_loader(remote: str, local: Path, args: argparse.Namespace) -> Callable[[int], DataLoader]:
     streaming = import_mosaic()
 
@@ -270,7 +240,8 @@ def training(work: Path, root: Path, args: argparse.Namespace) -> None:
             print(f"  {name}: epoch {epoch + 1} {result.samples_s:,.0f} samples/s", file=sys.stderr, flush=True)
 
     loop("local disk", local_loader, None)
-    with (s3_store if args.store == "moto" else s3rver_store)(work, root) as endpoint:
+    store, _ = S3_SERVERS[args.store]
+    with store(work, root) as endpoint:
         gets = Gets(work / f"{args.store}.log", args.store)
         upload(endpoint, work / "jpegs-gpufeed", "packed")
         upload(endpoint, work / "jpegs-gpufeed", "packed-again")
@@ -316,7 +287,7 @@ def main() -> None:
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--store", choices=("moto", "s3rver"), default="moto", help="the S3 server of the training part")
     args = parser.parse_args()
-    os.environ.update(CREDENTIALS if args.store == "moto" else S3RVER_CREDENTIALS)
+    os.environ.update(S3_SERVERS[args.store][1])
     torch.set_num_threads(1)
     with scratch_home("gpufeed-pack-") as work:
         root = work / "jpegs"
