@@ -70,6 +70,20 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _warner() -> Callable[[str, str], None]:
+    """A client's warn-once, for it and its parts. Not a bound method: a part holding the client
+    would make a reference cycle, and a dropped client must close its block files at once, not
+    at the next garbage collection."""
+    warned: set[str] = set()
+
+    def warn_once(topic: str, message: str) -> None:
+        if topic not in warned:
+            warned.add(topic)
+            log.warning("gpufeed: warning: %s", message)  # recognisable under logging's last resort too
+
+    return warn_once
+
+
 class Client:
     def __init__(self, settings: Settings | None = None, namespace: Namespace | None = None) -> None:
         self.namespace = namespace or Namespace(settings)
@@ -79,7 +93,7 @@ class Client:
         # multiprocessing's finalizers run when a DataLoader worker exits (atexit does not run
         # there), so the hits a worker served reach the agent's counts and its eviction
         multiprocessing.util.Finalize(self, self.hits.flush, exitpriority=10)
-        self._warned: set[str] = set()
+        self._warn_once = _warner()
         self._session = f"reads-{os.getpid()}-{id(self):x}"
         self.handles = Handles(self.namespace, self.agent, self.hits, self._warn_once)
         self.direct = DirectReads()
@@ -103,11 +117,6 @@ class Client:
         self.hits.flush()
         self.agent.close()
         self.namespace.close()
-
-    def _warn_once(self, topic: str, message: str) -> None:
-        if topic not in self._warned:
-            self._warned.add(topic)
-            log.warning("gpufeed: warning: %s", message)  # recognisable under logging's last resort too
 
     def handle(self, path: str) -> ObjectHandle:
         """The object at `path`, pinned to the version its mount's manifest lists. Handles are
