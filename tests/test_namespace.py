@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,17 @@ def test_a_mount_another_process_just_added_is_found_at_once(namespace: Namespac
     assert namespace.stat("/more/README").size == 7
     with pytest.raises(PathNotFound, match="/other/README: no mount contains"):
         namespace.stat("/other/README")
+
+
+def test_a_dropped_namespace_is_freed_at_once_not_by_the_garbage_collector(namespace: Namespace) -> None:
+    """Scripts drop a Namespace without closing it (`Namespace().add_mount(...)`); its engine's
+    connection must go with it, so nothing it holds may point back at it."""
+    gc.disable()
+    try:
+        dropped = weakref.ref(Namespace(namespace.settings))
+        assert dropped() is None
+    finally:
+        gc.enable()
 
 
 def test_ls_of_a_file_is_the_file(namespace: Namespace, dataset: Path) -> None:

@@ -109,7 +109,7 @@ class Namespace:
         self.settings = settings or Settings.from_env()
         self.engine = engine or open_engine(self.settings)
         self._sources: dict[tuple[str, str], Source] = {}
-        self.tables = MemberTables(self.settings.home, self.engine, self.source)
+        self.tables = MemberTables(self.settings.home, self.engine)
         self._mounts: list[Mount] | None = None
         self._mounts_read = 0.0
 
@@ -280,7 +280,7 @@ class Namespace:
         """The member table of a gpufeed-pack mount's generation (`MemberTables.of`). Another
         process's refresh is seen when the mount table is next read (MOUNTS_TTL_S), as for any
         mount; until then this process reads the previous pack, which stays whole."""
-        return self.tables.of(mount)
+        return self.tables.of(mount, self.source)
 
     def member_files(self, path: str) -> tuple[Mount, MemberTable, np.ndarray] | None:
         """For a directory of a gpufeed-pack mount: the mount, its member table and the numbers

@@ -21,16 +21,16 @@ if TYPE_CHECKING:
 
 
 class MemberTables:
-    def __init__(self, home: Path, engine: MetaEngine, source: Callable[[Mount], Source]) -> None:
+    def __init__(self, home: Path, engine: MetaEngine) -> None:
         self.dir = home / "packs"
         self.engine = engine
-        self._source = source
         self._open: dict[str, tuple[int, MemberTable]] = {}
         """Mount path → (generation, its table), as this process last opened it."""
 
-    def of(self, mount: Mount) -> MemberTable | None:
+    def of(self, mount: Mount, source: Callable[[Mount], Source]) -> MemberTable | None:
         """The member table of a gpufeed-pack mount's generation; None for any other mount (and
-        for one listed before member tables existed: its members are rows)."""
+        for one listed before member tables existed: its members are rows). `source` opens the
+        mount's store, for a node that has no copy of the table yet."""
         if mount.options.get("format") != "gpufeed-pack":
             return None
         known = self._open.get(mount.path)
@@ -41,7 +41,7 @@ class MemberTables:
             return None
         from gpufeed.pack import mounting
 
-        table = mounting.member_table(self._source(mount), row.object_info(), self.dir)
+        table = mounting.member_table(source(mount), row.object_info(), self.dir)
         self._open[mount.path] = (mount.generation, table)
         return table
 
