@@ -450,7 +450,7 @@ class Namespace:
         try:
             current = source.head(where.key)
         except ObjectMissing as exc:
-            raise ObjectMissing(_since_listed(path, "deleted", mount, str(exc))) from exc
+            raise ObjectMissing(since_listed(path, "deleted", mount.path, str(exc))) from exc
         if same_version(current, info):
             if not unpinned:
                 return where, source, info  # keeps its content hash
@@ -458,7 +458,7 @@ class Namespace:
         elif stale:  # changed since listing: this open reads the new version
             pinned = Entry(entry.parent, entry.name, False, current.size, current.mtime, current.etag)
         else:
-            raise ObjectChanged(_since_listed(path, "changed", mount, f"listed {info.size} bytes, now {current.size}"))
+            raise ObjectChanged(since_listed(path, "changed", mount.path, f"listed {info.size} bytes, now {current.size}"))
         try:
             self.engine.put_entries(mount.generation, [pinned])
         except MetadataError:
@@ -526,7 +526,7 @@ class Namespace:
         return replace(entry.object_info(), key=member.pack_key)
 
 
-def _since_listed(path: str, what: str, mount: Mount, detail: str) -> str:
-    """The one-line error for an object that changed under its manifest, with the way out."""
-    where = mount.path
-    return f"{path}: {what} at the source since mount {where} was listed ({detail}); run 'gpufeed mount refresh {where}'"
+def since_listed(path: str, what: str, mount: str, detail: str) -> str:
+    """The one-line error for an object `what` ("deleted", "changed") under the manifest of
+    `mount`, with the way out."""
+    return f"{path}: {what} at the source since mount {mount} was listed ({detail}); run 'gpufeed mount refresh {mount}'"

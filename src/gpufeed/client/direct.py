@@ -11,6 +11,7 @@ from gpufeed.aio import run_blocking
 from gpufeed.blocks import WHOLE_OBJECT_MAX
 from gpufeed.client.handles import ObjectHandle
 from gpufeed.errors import ObjectChanged, ObjectMissing
+from gpufeed.namespace import since_listed
 
 DIRECT_CONCURRENCY = 64
 """Ranged GETs one batch keeps in flight when it reads from the source itself."""
@@ -19,10 +20,7 @@ DIRECT_CONCURRENCY = 64
 def explained(path: str, mount: str, exc: Exception) -> Exception:
     """Name the namespace path and the way out in a source error about one object."""
     if isinstance(exc, (ObjectMissing, ObjectChanged)):
-        what = "deleted" if isinstance(exc, ObjectMissing) else "changed"
-        return type(exc)(
-            f"{path}: {what} at the source since mount {mount} was listed ({exc}); run 'gpufeed mount refresh {mount}'"
-        )
+        return type(exc)(since_listed(path, "deleted" if isinstance(exc, ObjectMissing) else "changed", mount, str(exc)))
     return exc
 
 
