@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         size = parse_size(args.cache_size, "--cache-size") if args.cache_size else settings.cache_size
         run_agent(AgentConfig(dirs, size, settings.cache_free_ratio, args.idle_timeout), settings)
     except GpufeedError as exc:
-        print(f"gpufeed agent: error: {exc}", file=sys.stderr)
+        sys.stderr.write(f"gpufeed agent: error: {exc}\n")  # the process's one error line, logging or not
         return exc.exit_code
     return 0
 

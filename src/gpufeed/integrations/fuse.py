@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         configure(settings.log_format, "fuse", debug=settings.debug)
         serve(args.mountpoint.absolute(), args.nspath, warmup=not args.no_warmup, read_ahead=not args.no_read_ahead)
     except GpufeedError as exc:
-        print(f"gpufeed: error: {exc}", file=sys.stderr)
+        sys.stderr.write(f"gpufeed: error: {exc}\n")  # the daemon's one error line, logging or not
         return exc.exit_code
     return 0
 
