@@ -4,14 +4,16 @@ root (network namespaces).
 
     python benchmarks/cluster.py [--nodes 1,2,3,4] [--files 320] [--size 262144]
                                  [--link-mbit 200] [--store-mbps 25] [--latency-ms 20]
-                                 [--ways alone,cluster,warm]
+                                 [--ways alone,cluster,warm] [--workers 1] [--no-prefetch]
 
 Every node is a network namespace with its own agent and reader, joined to the host by a veth
 pair shaped with `tc tbf` (--link-mbit each way), so links, not this machine's two cores, are
 the limit. The store is nginx behind the project's shaper on the host's bridge address:
 --latency-ms to the first byte, --store-mbps for all nodes together (one store's egress). Each
 node's reader reads every file once in its own shuffled order, 16 files per call (a batch's
-`__getitems__`). The cluster's Redis runs on the bridge too.
+`__getitems__`), and hands that order to the agent ahead of reading, as `FeedSampler` does
+(`gpufeed.prefetch`); `--no-prefetch` reads one batch at a time with nothing ahead, the worst
+case. The cluster's Redis runs on the bridge too.
 
 Printed per N and way: the store's egress as a multiple of the dataset (from the agents' own
 counts of bytes read from the store), the slowest node's epoch time, the aggregate read
@@ -54,8 +56,13 @@ worker, workers = int(sys.argv[3]), int(sys.argv[4])
 client = gpufeed.client()
 began = time.monotonic()
 total = 0
-for i in range(16 * worker, len(paths), 16 * workers):
-    total += sum(len(view) for view in client.read_files(paths[i:i + 16]))
+batches = [paths[i:i + 16] for i in range(16 * worker, len(paths), 16 * workers)]
+if sys.argv[5] == "prefetch":  # as FeedSampler does: the agent fetches the next window meanwhile
+    from gpufeed.prefetch import Prefetcher, Read
+    ordered = iter(Prefetcher(client).ahead([path for batch in batches for path in batch], Read))
+    batches = ([next(ordered) for _ in batch] for batch in batches)  # type: ignore[assignment]
+for batch in batches:
+    total += sum(len(view) for view in client.read_files(batch))
 print(total, time.monotonic() - began)
 """
 
@@ -126,7 +133,8 @@ def run(count: int, way: str, args: argparse.Namespace, store_url: str, work: Pa
             warmup_s = time.monotonic() - began
         busy_before, total_before = cpu_times()
         readers = [
-            [subprocess.Popen(host.command([sys.executable, "-c", READER, str(args.files), str(i), str(w), str(args.workers)]),
+            [subprocess.Popen(host.command([sys.executable, "-c", READER, str(args.files), str(i), str(w), str(args.workers),
+                                                                 "prefetch" if args.prefetch else "batches"]),
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "GPUFEED_CACHE_DIRS": str(cache)})
              for w in range(args.workers)]
             for i, (host, cache) in enumerate(zip(hosts, caches, strict=True))
@@ -168,6 +176,8 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=20)
     parser.add_argument("--ways", default="alone,cluster,warm")
     parser.add_argument("--workers", type=int, default=1, help="readers per node, taking batches in turn (DataLoader workers)")
+    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                        help="readers hand their order to the agent ahead of reading (gpufeed.prefetch, as FeedSampler does)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("benchmarks/cluster.py needs root (network namespaces)")
@@ -180,7 +190,8 @@ def main() -> None:
         with serving(work / "www", work / "server") as store_url:
             mib = args.files * args.size / 2**20
             print(f"{args.files} files of {args.size:,} B ({mib:.0f} MiB); store {args.latency_ms:g} ms, "
-                  f"{args.store_mbps:g} MB/s for all; each node's link {args.link_mbit:g} Mbit/s")
+                  f"{args.store_mbps:g} MB/s for all; each node's link {args.link_mbit:g} Mbit/s; "
+                  f"{args.workers} reader(s) a node, {'order handed ahead (prefetch)' if args.prefetch else 'one batch at a time'}")
             print(f"{'N':>2} {'way':8} {'store egress':>13} {'slowest s':>10} {'aggregate MB/s':>15} {'vs N x 1 node':>14} "
                   f"{'load max/mean':>14} {'CPU busy':>9}  per node MB/s")
             single: dict[str, float] = {}
