@@ -191,7 +191,8 @@ def main() -> None:
             mib = args.files * args.size / 2**20
             print(f"{args.files} files of {args.size:,} B ({mib:.0f} MiB); store {args.latency_ms:g} ms, "
                   f"{args.store_mbps:g} MB/s for all; each node's link {args.link_mbit:g} Mbit/s; "
-                  f"{args.workers} reader(s) a node, {'order handed ahead (prefetch)' if args.prefetch else 'one batch at a time'}")
+                  f"{args.workers} reader(s) a node, "
+                  f"{'order handed ahead (prefetch)' if args.prefetch else 'one batch at a time'}")
             print(f"{'N':>2} {'way':8} {'store egress':>13} {'slowest s':>10} {'aggregate MB/s':>15} {'vs N x 1 node':>14} "
                   f"{'load max/mean':>14} {'CPU busy':>9}  per node MB/s")
             single: dict[str, float] = {}

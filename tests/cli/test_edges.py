@@ -33,6 +33,15 @@ def test_every_help_page_is_plain() -> None:
         assert "Usage: gpufeed" in result.stdout and not result.stderr
 
 
+def test_help_text_is_prose_not_markup() -> None:
+    """A docstring's line breaks are not the terminal's, and `[env: X]` is text, not a style tag."""
+    listing = ok("--help")
+    assert "or the algorithm of a hash the manifest has" in listing, listing
+    assert "[env: GPUFEED_CLUSTER]" in ok("cluster", "status", "--help")
+    assert "[env: GPUFEED_PEER_ADDR]" in ok("agent", "--help")
+    assert "two spaces, its path relative to the source root" in ok("mount", "add", "--help")
+
+
 def test_agent_start_with_other_settings_fails_and_keeps_the_running_agent() -> None:
     assert ok("agent", "start", "--cache-size", "1GiB").endswith("with a 1.0 GiB quota\n")
     again = ok("agent", "start")

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpufeed.cli.console import human_bytes, out
+from gpufeed.cli.console import command_group, human_bytes, out
 from gpufeed.config import Settings, parse_addr, parse_log_format, parse_size, with_cluster_flags
 from gpufeed.errors import GpufeedError
 
 if TYPE_CHECKING:
     from gpufeed.rpc.messages import AgentInfo
 
-app = typer.Typer(help="The node agent that owns the cache dir.", invoke_without_command=True)
+app = command_group(help="The node agent that owns the cache dir.", invoke_without_command=True)
 
 DirsOption = typer.Option([], "--cache-dir", help="Cache dir (repeatable); default $GPUFEED_HOME/cache.")
 SizeOption = typer.Option(None, "--cache-size", help="Quota, e.g. 200GiB; always bounded by free space.")

@@ -15,14 +15,14 @@ import typer
 from gpufeed.bench.modes import DEFAULT_MODES, MODES, parse_modes
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS
 from gpufeed.bench.workloads import WORKLOADS, Workload, workload
-from gpufeed.cli.console import err, human_bytes, out, print_json
+from gpufeed.cli.console import command_group, err, human_bytes, out, print_json
 from gpufeed.cli.progress import Meter
 from gpufeed.errors import GpufeedError, InvalidArgument
 
 if TYPE_CHECKING:
     from gpufeed.bench.metrics import BenchReport
 
-app = typer.Typer(help="Emulate a training job reading a source and measure how busy its accelerators stay.")
+app = command_group(help="Emulate a training job reading a source and measure how busy its accelerators stay.")
 
 WORKLOAD = typer.Option(None, "--workload", "-w", help=f"One of: {', '.join(WORKLOADS)}.")
 SCALE = typer.Option(None, "--scale", help="Multiply the sample count (0.001 fits a laptop).")

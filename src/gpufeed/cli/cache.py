@@ -5,10 +5,10 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from gpufeed.cli.console import human_bytes, out
+from gpufeed.cli.console import command_group, human_bytes, out
 from gpufeed.config import Settings
 
-app = typer.Typer(help="Inspect and manage the node cache.", no_args_is_help=True)
+app = command_group(help="Inspect and manage the node cache.", no_args_is_help=True)
 
 
 @app.command()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from gpufeed.cli.console import human_bytes, out, print_json
+from gpufeed.cli.console import command_group, human_bytes, out, print_json
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, InvalidArgument
 
-app = typer.Typer(help="The cache cluster: nodes that share what they cached.", no_args_is_help=True)
+app = command_group(help="The cache cluster: nodes that share what they cached.", no_args_is_help=True)
 
 
 @app.command()

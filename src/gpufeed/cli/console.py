@@ -7,10 +7,17 @@ import sys
 import time
 from typing import Any
 
+import typer
 from rich.console import Console
 
 out = Console()
 err = Console(stderr=True)
+
+
+def command_group(**options: Any) -> typer.Typer:
+    """A typer app whose help is prose: a docstring's line breaks are joined, and `[env: X]` is
+    shown as text (typer's default rich markup takes it for a style tag and drops it)."""
+    return typer.Typer(rich_markup_mode="markdown", **options)
 
 
 def human_bytes(size: float) -> str:

@@ -11,11 +11,11 @@ from typing import Any
 
 import typer
 
-from gpufeed.cli.console import err, human_bytes, out, print_json
+from gpufeed.cli.console import command_group, err, human_bytes, out, print_json
 from gpufeed.config import Settings, cluster_node_id, parse_size
 from gpufeed.errors import InvalidArgument, PoolError
 
-app = typer.Typer(help="Share, queue and reclaim GPUs on a Ray cluster.", no_args_is_help=True)
+app = command_group(help="Share, queue and reclaim GPUs on a Ray cluster.", no_args_is_help=True)
 
 ADDRESS = typer.Option(None, "--address", help="Ray cluster HOST:PORT [env: RAY_ADDRESS; default: the one on this machine]")
 POOL = typer.Option("default", "--pool", help="Which pool on the cluster (one scheduler each).")

@@ -9,9 +9,10 @@ import time
 
 import typer
 
+from gpufeed.cli.console import command_group
 from gpufeed.errors import InvalidArgument
 
-app = typer.Typer(help="Read and recover inference logs (gpufeed.logs.Appender).", no_args_is_help=True)
+app = command_group(help="Read and recover inference logs (gpufeed.logs.Appender).", no_args_is_help=True)
 
 
 @app.command()

@@ -26,10 +26,10 @@ from gpufeed.cli import (
     verify,
     warmup,
 )
-from gpufeed.cli.console import err, out
+from gpufeed.cli.console import command_group, err, out
 from gpufeed.errors import GpufeedError
 
-app = typer.Typer(
+app = command_group(
     name="gpufeed",
     help="Keep GPUs fed: one namespace over every store, cached and prefetched on each node.",
     no_args_is_help=True,

@@ -6,14 +6,14 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpufeed.cli.console import human_bytes, out, print_json, when
+from gpufeed.cli.console import command_group, human_bytes, out, print_json, when
 from gpufeed.cli.progress import Meter
 
 if TYPE_CHECKING:  # the namespace and its engines are imported by the command that runs
     from gpufeed.meta import Mount
     from gpufeed.meta.manifest import ManifestStats
 
-app = typer.Typer(help="Mount stores into the namespace and manage their manifests.", no_args_is_help=True)
+app = command_group(help="Mount stores into the namespace and manage their manifests.", no_args_is_help=True)
 
 
 def _summary(stats: ManifestStats) -> str:
@@ -53,7 +53,10 @@ def add(
     ),
     listing: str | None = typer.Option(None, "--list", help="http(s) only: file listing 'KEY [SIZE]' per line."),
     checksums: str | None = typer.Option(
-        None, "--checksums", help="sha256sum/md5sum output ('<hex>  <path>', paths relative to the source root): content hashes."
+        None,
+        "--checksums",
+        help="sha256sum/md5sum output (a line per file: its hex digest, two spaces, its path relative to the source root): "
+        "content hashes.",
     ),
     allow_empty: bool = typer.Option(False, "--allow-empty", help="Mount even when the listing finds no objects."),
     writable: bool = typer.Option(
