@@ -41,6 +41,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from common import report_file_creation
+
 from gpufeed.bench.children import free_port
 from gpufeed.bench.netns import Host, bridged_hosts
 from gpufeed.bench.server import serving
@@ -182,6 +184,7 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("benchmarks/cluster.py needs root (network namespaces)")
     work = Path(tempfile.mkdtemp(prefix="gpufeed-cluster-"))
+    report_file_creation(work)
     try:
         data = work / "www" / "data"
         data.mkdir(parents=True)

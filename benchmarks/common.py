@@ -1,8 +1,10 @@
-"""What the benchmark scripts share: a private, throw-away gpufeed home."""
+"""What the benchmark scripts share: a private, throw-away gpufeed home, and a check of how
+costly creating a file is where it lives."""
 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -19,11 +21,35 @@ def scratch_home(prefix: str) -> Iterator[Path]:
     the agent is stopped and everything removed at the end, whatever happened."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     os.environ["GPUFEED_HOME"] = str(work / "home")
+    report_file_creation(work)
     try:
         yield work
     finally:
         stop_agent(gpufeed.client().settings)
         shutil.rmtree(work, ignore_errors=True)
+
+
+SLOW_CREATE_US = 200
+
+
+def report_file_creation(where: Path, count: int = 300) -> float:
+    """Print and return the kernel CPU, in µs, to create one empty file under `where`. Every
+    cold block gpufeed caches is a new file, and on ext4 without a journal (this project's
+    VMs) a file created within minutes of thousands being deleted nearby scans past the
+    recently freed inodes: about 1 ms each instead of about 35 µs. The baselines read files
+    that exist and never pay it, so a cold result taken then is this filesystem's, not
+    gpufeed's; the line says so, and `TMPDIR=` on another filesystem avoids it."""
+    probe = Path(tempfile.mkdtemp(dir=where, prefix="create-probe-"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+    for i in range(count):
+        os.close(os.open(probe / str(i), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    each_us = (resource.getrusage(resource.RUSAGE_SELF).ru_stime - before) / count * 1e6
+    note = ""
+    if each_us > SLOW_CREATE_US:
+        note = (" - slow: cold results below include it for every block cached (ext4 without a journal, files deleted"
+                " nearby in the last minutes; TMPDIR= on another filesystem, or a wait, avoids it)")
+    print(f"creating a file under {where}: {each_us:.0f} µs of kernel CPU{note}", flush=True)
+    return each_us
 
 
 def small_files(root: Path, count: int, size: int) -> list[str]:
