@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import gpufeed
 from gpufeed.errors import (
     InvalidArgument,
     IsADirectory,
@@ -34,6 +35,19 @@ def test_mount_lists_source_into_manifest(namespace: Namespace, dataset: Path) -
     assert (st.is_dir, st.size) == (False, 2002)
     assert st.version
     assert namespace.stat("/data/train").is_dir
+
+
+def test_a_local_path_mounts_as_the_absolute_file_url_it_means(
+    namespace: Namespace, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(dataset.parent)
+    mount, _ = namespace.add_mount("/data", dataset.name)  # relative, as typed in a shell
+    assert mount.url == f"file://{dataset}"
+    monkeypatch.chdir("/")
+    with gpufeed.open("/data/train/cats/1.jpg") as f:
+        assert f.read() == bytes([1]) * 1001, "read from another directory: the same files"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert namespace.add_mount("/home", f"~/{dataset.name}")[0].url == f"file://{dataset}"
 
 
 def test_ls_and_stat_never_touch_the_source(namespace: Namespace, dataset: Path) -> None:

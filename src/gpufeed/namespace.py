@@ -36,7 +36,7 @@ from gpufeed.mount_options import CACHE_OPTIONS, CachePolicy, is_writable, packe
 from gpufeed.pack.layout import DIR as PACK_DIR
 from gpufeed.pack.layout import hidden, object_entry
 from gpufeed.pack.tables import MemberTables
-from gpufeed.sources import Source, open_source
+from gpufeed.sources import Source, as_url, open_source
 from gpufeed.sources.base import ObjectInfo, same_version
 
 if TYPE_CHECKING:
@@ -150,11 +150,13 @@ class Namespace:
         writable: bool = False,
         listed: Callable[[ManifestStats], None] | None = None,
     ) -> tuple[Mount, ManifestStats]:
-        """Validate, list the source once into a manifest, then record the mount. `checksums`
-        names a sha256sum/md5sum file whose hashes the entries carry. An empty listing is
-        refused (most often a typo in the prefix) unless `allow_empty`; nothing is recorded.
-        `listed` hears the counts so far while the listing runs."""
+        """Validate, list the source once into a manifest, then record the mount. A local path
+        is taken as the file:// URL it means. `checksums` names a sha256sum/md5sum file whose
+        hashes the entries carry. An empty listing is refused (most often a typo in the prefix)
+        unless `allow_empty`; nothing is recorded. `listed` hears the counts so far while the
+        listing runs."""
         path = normalize(path)
+        url = as_url(url)
         if path == "/":
             raise InvalidArgument("cannot mount at /: choose a path such as /data")
         self.engine.check_writable()

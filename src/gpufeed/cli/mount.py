@@ -35,7 +35,7 @@ def _secret(option: str) -> bool:
 @app.command("add")
 def add(
     nspath: str = typer.Argument(..., help="Namespace path to mount at, e.g. /data."),
-    url: str = typer.Argument(..., help="file:///dir, s3://bucket/prefix, gs://…, az://…, http(s)://host/prefix"),
+    url: str = typer.Argument(..., help="A local dir (or file:///dir), s3://bucket/prefix, gs://…, az://…, http(s)://host/prefix"),
     opt: list[str] = typer.Option([], "--opt", "-o", help="Source option key=value (repeatable)."),
     immutable: bool = typer.Option(
         False,

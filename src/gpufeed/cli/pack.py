@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def pack(
     nspath: str = typer.Argument(..., help="Namespace directory to pack, e.g. /data/imagenet."),
-    dest: str = typer.Argument(..., help="Where to write the pack: file:///dir, s3://bucket/prefix, gs://…, az://…"),
+    dest: str = typer.Argument(..., help="Where to write the pack: a local dir, s3://bucket/prefix, gs://…, az://…"),
     shard_size: str = typer.Option("256MiB", "--shard-size", help="Largest shard (a bigger file gets a shard alone)."),
     workers: int = typer.Option(4, "--workers", "-w", help="Processes reading and writing shards at once."),
     ray: str | None = typer.Option(
@@ -40,8 +40,10 @@ def pack(
     from gpufeed.client import Client
     from gpufeed.mount_options import parse_options
     from gpufeed.pack import packer
+    from gpufeed.sources import as_url
 
     started = time.monotonic()
+    dest = as_url(dest)
     client = Client()
     job = packer.prepare(
         client, nspath, packer.destination(dest, parse_options(opt), client), shard_size=parse_size(shard_size, "--shard-size"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import SplitResult, urlsplit
 
@@ -45,6 +46,15 @@ def builder(scheme: str) -> Builder | None:
     return found
 
 
+def as_url(location: str) -> str:
+    """`location` as a source URL: a local path without a scheme (`/data`, `./data`, `~/data`)
+    becomes the absolute file:// URL it means, so a mount added from one directory reads the
+    same directory from any other; a URL is returned as it is."""
+    if location and not urlsplit(location).scheme:
+        return f"file://{Path(location).expanduser().absolute()}"
+    return location
+
+
 def open_source(url: str, options: dict[str, str], settings: Settings) -> Source:
     """Build the source for `url`; raises InvalidArgument for a URL or option it cannot use."""
     parts = urlsplit(url)
@@ -55,4 +65,4 @@ def open_source(url: str, options: dict[str, str], settings: Settings) -> Source
     return build(url, parts, options, settings)
 
 
-__all__ = ["ObjectInfo", "Source", "open_source"]
+__all__ = ["ObjectInfo", "Source", "as_url", "open_source"]
