@@ -148,8 +148,8 @@ def run_mode(mode: Mode, run: RunContext, config: BenchConfig) -> ModeResult:
                 if prepared.source_bytes:
                     result = replace(result, source_bytes=result.source_bytes + prepared.source_bytes() - fetched)
                 run.progress(
-                    f"{mode.name}: epoch {epoch}/{epochs_to_run}: AU {result.au:.0%}, "
-                    f"{result.samples_per_s:,.0f} samples/s, {result.epoch_s:.1f} s"
+                    f"{mode.name}: epoch {epoch}/{epochs_to_run}: {result.samples_per_s:,.0f} samples/s in "
+                    f"{result.epoch_s:.1f} s (first batch {result.first_batch_s:.1f} s, then AU {result.au:.0%})"
                 )
                 epochs.append(result)
     return ModeResult(mode.name, prepared.setup_s, prepared.setup_bytes, tuple(epochs))
