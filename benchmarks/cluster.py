@@ -62,7 +62,7 @@ batches = [paths[i:i + 16] for i in range(16 * worker, len(paths), 16 * workers)
 if sys.argv[5] == "prefetch":  # as FeedSampler does: the agent fetches the next window meanwhile
     from gpufeed.prefetch import Prefetcher, Read
     ordered = iter(Prefetcher(client).ahead([path for batch in batches for path in batch], Read))
-    batches = ([next(ordered) for _ in batch] for batch in batches)  # type: ignore[assignment]
+    batches = ([next(ordered) for _ in batch] for batch in batches)
 for batch in batches:
     total += sum(len(view) for view in client.read_files(batch))
 print(total, time.monotonic() - began)
@@ -136,7 +136,7 @@ def run(count: int, way: str, args: argparse.Namespace, store_url: str, work: Pa
         busy_before, total_before = cpu_times()
         readers = [
             [subprocess.Popen(host.command([sys.executable, "-c", READER, str(args.files), str(i), str(w), str(args.workers),
-                                                                 "prefetch" if args.prefetch else "batches"]),
+                                            "prefetch" if args.prefetch else "batches"]),
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "GPUFEED_CACHE_DIRS": str(cache)})
              for w in range(args.workers)]
             for i, (host, cache) in enumerate(zip(hosts, caches, strict=True))

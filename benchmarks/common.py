@@ -32,8 +32,8 @@ def scratch_home(prefix: str) -> Iterator[Path]:
 SLOW_CREATE_US = 200
 
 
-def report_file_creation(where: Path, count: int = 300) -> float:
-    """Print and return the kernel CPU, in µs, to create one empty file under `where`. Every
+def report_file_creation(where: Path, count: int = 300) -> None:
+    """Print the kernel CPU, in µs, to create one empty file under `where`. Every
     cold block gpufeed caches is a new file, and on ext4 without a journal (this project's
     VMs) a file created within minutes of thousands being deleted nearby scans past the
     recently freed inodes: about 1 ms each instead of about 35 µs. The baselines read files
@@ -49,7 +49,6 @@ def report_file_creation(where: Path, count: int = 300) -> float:
         note = (" - slow: cold results below include it for every block cached (ext4 without a journal, files deleted"
                 " nearby in the last minutes; TMPDIR= on another filesystem, or a wait, avoids it)")
     print(f"creating a file under {where}: {each_us:.0f} µs of kernel CPU{note}", flush=True)
-    return each_us
 
 
 def small_files(root: Path, count: int, size: int) -> list[str]:
