@@ -118,6 +118,22 @@ def test_a_valid_small_block_of_another_object_is_corrupt(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("size", [100_000, 600_000], ids=["one chunk", "three chunks"])
+def test_a_read_that_missed_is_not_a_first_read(tmp_path: Path, size: int) -> None:
+    """A cold read misses (maybe twice), the agent publishes, the read is served: that is one
+    read, so the file is not mapped for it; a process that reads the file again holds it."""
+    DeletionCounter.create(tmp_path)
+    files = OpenBlocks(tmp_path, 10)
+    data = os.urandom(size)
+    r = BlockRef.of((tmp_path,), identity(size, 4 << 20), True, files)
+    for _ in range(2):
+        with pytest.raises(FileNotFoundError):
+            blockfile.read(r, 0, 0, size)
+    blockfile.publish(r.path(0), r.blocks.block(0), data)
+    assert blockfile.read(r, 0, 0, size) == data and r.path(0) not in files.held
+    assert blockfile.read(r, 0, 0, size) == data and r.path(0) in files.held
+
+
+@pytest.mark.parametrize("size", [100_000, 600_000], ids=["one chunk", "three chunks"])
 def test_a_held_file_found_damaged_gives_way_to_its_repair(tmp_path: Path, size: int) -> None:
     """A reader holding a block file that a repair has replaced since reads the replacement;
     one holding a file still damaged gets a CorruptBlock and holds it no more."""

@@ -31,7 +31,9 @@ def read_one_chunk(files: OpenBlocks, path: str, length: int, header: bytes) -> 
     if held is None:
         held = files.open(path)
         if held is None:
-            return _one_chunk_unheld(path, length, header)
+            data = _one_chunk_unheld(path, length, header)
+            files.read_unheld(path)
+            return data
     mapped = held.mapped
     # the size first: touching a mapping past the end of a file shrunk since would fault
     good = len(mapped) == SMALL_HEAD + length and held.map.size() == len(mapped)
@@ -93,9 +95,11 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
         if held is None:
             fd = os.open(path, os.O_RDONLY)
             try:
-                return _read_unmapped(fd, ref, index, head, length, start, end)
+                data = _read_unmapped(fd, ref, index, head, length, start, end)
             finally:
                 os.close(fd)
+            files.read_unheld(path)
+            return data
     try:
         return _read_mapped(held, ref, index, head, length, start, end)
     except CorruptBlock:

@@ -135,10 +135,11 @@ class OpenBlocks:
     ones read twice. Nothing is held without the agent's deletion count: a held file could keep
     deleted blocks' space.
 
-    A file is held from its second read on (a read that missed, before the agent fetched the
-    block, counts as the first): mapping costs more than one pread, so it pays only for a file
-    read again by the same process. A DataLoader worker that reads each cached sample once an
-    epoch and exits (no persistent workers) maps nothing.
+    A file is held from its second read on: mapping costs more than one pread, so it pays only
+    for a file read again by the same process. A read that missed (the block was not cached yet)
+    does not count, so a cold epoch maps nothing: its reads are first reads, and a DataLoader
+    worker that reads each sample once an epoch and exits (no persistent workers), or a FUSE
+    daemon whose files the kernel then keeps in its page cache, never reads them again.
 
     A hit looks its file up in `held` itself and calls `open` on a miss; the reader calls
     `check` every few dozen hits. So a hit makes no extra call and no extra system call."""
@@ -165,10 +166,7 @@ class OpenBlocks:
         if self._full or len(self.held) >= self.capacity:
             return None
         if path not in self._seen:
-            if len(self._seen) >= SEEN_FILES:
-                self._seen.clear()
-            self._seen.add(path)
-            return None
+            return None  # a first read: `read_unheld` marks it once it found the file
         self.check()
         if len(self.held) >= self.capacity:
             return None
@@ -188,6 +186,12 @@ class OpenBlocks:
                 self.held[path] = held
                 self._bytes += size
         return held
+
+    def read_unheld(self, path: str) -> None:
+        """`path` was read without being held: its next read holds it."""
+        if len(self._seen) >= SEEN_FILES:
+            self._seen.clear()
+        self._seen.add(path)
 
     def check(self) -> None:
         """Let go of every held file if the agent deleted block files since the last look; hold
