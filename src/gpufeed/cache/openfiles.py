@@ -141,8 +141,9 @@ class OpenBlocks:
     worker that reads each sample once an epoch and exits (no persistent workers), or a FUSE
     daemon whose files the kernel then keeps in its page cache, never reads them again.
 
-    A hit looks its file up in `held` itself and calls `open` on a miss; the reader calls
-    `check` every few dozen hits. So a hit makes no extra call and no extra system call."""
+    A hit looks its file up in `held` itself and calls `open` when it is not held; the reader
+    calls `check` every few dozen hits. So a hit of a held file makes no extra call and no extra
+    system call."""
 
     def __init__(self, primary: Path, capacity: int) -> None:
         self._counter = DeletionCounter.watch(primary)
@@ -188,7 +189,9 @@ class OpenBlocks:
         return held
 
     def read_unheld(self, path: str) -> None:
-        """`path` was read without being held: its next read holds it."""
+        """`path` was read without being held: its next read holds it, if there is room."""
+        if self._full or len(self.held) >= self.capacity:
+            return
         if len(self._seen) >= SEEN_FILES:
             self._seen.clear()
         self._seen.add(path)
