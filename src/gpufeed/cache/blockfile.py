@@ -31,9 +31,9 @@ def read_one_chunk(files: OpenBlocks, path: str, length: int, header: bytes) -> 
     if held is None:
         held = files.open(path)
         if held is None:
-            data = _one_chunk_unheld(path, length, header)
+            unheld = _one_chunk_unheld(path, length, header)
             files.read_unheld(path)
-            return data
+            return unheld
     mapped = held.mapped
     # the size first: touching a mapping past the end of a file shrunk since would fault
     good = len(mapped) == SMALL_HEAD + length and held.map.size() == len(mapped)
