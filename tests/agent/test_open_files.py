@@ -65,7 +65,8 @@ def test_a_process_holds_at_most_its_limit_however_many_clients(files: dict[str,
 def test_a_cleared_cache_is_let_go_at_the_next_open(files: dict[str, bytes]) -> None:
     client = Client()
     *held, last = sorted(files)
-    read_all(client, files, held)
+    for _ in range(2):  # held from the second read
+        read_all(client, files, held)
     AgentClient(client.settings).clear()
     assert len(deleted(block_fds())) == len(held), "held until this reader looks"
     read_all(client, files, [last])  # a file it never opened: opening it looks
@@ -74,7 +75,8 @@ def test_a_cleared_cache_is_let_go_at_the_next_open(files: dict[str, bytes]) -> 
 
 def test_a_reader_that_only_hits_lets_go_within_a_few_dozen_hits(files: dict[str, bytes]) -> None:
     reader = Client()
-    read_all(reader, files)
+    for _ in range(2):  # held from the second read
+        read_all(reader, files)
     AgentClient(reader.settings).clear()
     other = subprocess.run([sys.executable, "-c", REFETCH], capture_output=True, text=True)
     assert other.returncode == 0, other.stderr  # the blocks are back, as new files; the reader holds the old
@@ -87,7 +89,8 @@ def test_a_reader_that_only_hits_lets_go_within_a_few_dozen_hits(files: dict[str
 
 def test_a_forked_child_lets_go_of_the_parents_files_at_once(files: dict[str, bytes]) -> None:
     client = Client()
-    read_all(client, files)
+    for _ in range(2):  # held from the second read
+        read_all(client, files)
     held = len(block_fds())
     assert held >= len(files)
     out, into = os.pipe()
@@ -131,8 +134,9 @@ def test_the_limit_leaves_most_descriptors_to_the_program() -> None:
 def test_what_a_hit_hands_out_is_a_copy_that_holds_no_file(files: dict[str, bytes]) -> None:
     client = Client()
     handle = client.handle("/data/00001.bin")
-    client.read_range(handle, 0, handle.size)  # a miss: the agent fetches, this process maps it
-    views = [client.read_range(handle, 100, 3000) for _ in range(3)]
+    client.read_range(handle, 0, handle.size)  # a miss: the agent fetches, this process reads it
+    views = [client.read_range(handle, 100, 3000) for _ in range(3)]  # read again: it maps it
+    assert len(block_fds()) == 1
     assert all(type(view.obj) is bytes and view == files["00001.bin"][100:3000] for view in views)
     AgentClient(client.settings).clear()
     read_all(client, files, ["00002.bin"])  # opening a file looks, and lets go of the rest

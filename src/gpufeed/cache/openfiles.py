@@ -159,16 +159,18 @@ class OpenBlocks:
         self._checking = threading.Lock()
 
     def open(self, path: str) -> Held | None:
-        """The file at `path` held and mapped (FileNotFoundError on a miss), or None when there
-        is no room: the caller reads it with open, pread and close. Nothing held is let go to
-        make room: when the files read exceed what a process may hold (random samples of a big
-        dataset), swapping them would map, fault in and unmap a file per read, dearer than the
-        pread a file not held gets."""
+        """The file at `path` held and mapped (FileNotFoundError on a miss), or None when it is
+        not held: its first read, or no room. The caller then reads it with open, pread and
+        close. Nothing held is let go to make room: when the files read exceed what a process
+        may hold (random samples of a big dataset), swapping them would map, fault in and unmap
+        a file per read, dearer than the pread a file not held gets. Every call looks at the
+        agent's deletion count first, so a process that opens files lets go of deleted ones at
+        once."""
         if self._full or len(self.held) >= self.capacity:
             return None
+        self.check()
         if path not in self._seen:
             return None  # a first read: `read_unheld` marks it once it found the file
-        self.check()
         if len(self.held) >= self.capacity:
             return None
         fd = os.open(path, os.O_RDONLY)
