@@ -59,6 +59,8 @@ class Prefetcher:
         self._session = f"{id(self):x}-{time.monotonic_ns():x}"
         self.latency_s = DEFAULT_LATENCY_S
         self.errors = 0
+        self.requests = 0
+        """Prefetch requests sent to the agent."""
 
     def window_bytes(self, rate_bytes_s: float) -> int:
         """How far ahead to fetch: what the job consumes while a fetch is in flight, with room
@@ -85,15 +87,26 @@ class Prefetcher:
         return handle, list(range(start // size, (end - 1) // size + 1)), end - start
 
     def _sender(self) -> None:
-        """Background thread: send each batch of wanted blocks to the agent, in order. Blocks
-        already on disk are not asked for again: a warm epoch costs a stat per block here
-        instead of an agent round trip per block."""
+        """Background thread: send the wanted blocks to the agent, in order. What was queued
+        while the last request was out goes as one request (a loader that takes a batch of
+        indices at once tops the window up sample by sample: a request each would cost the agent
+        a round trip per sample). Blocks already on disk are not asked for again: a warm epoch
+        costs a stat per block here instead of an agent round trip per block."""
         while (queued := self._queue.get()) is not None:
             batch, ahead = queued
+            while sum(len(blocks) for _, blocks in batch) < BATCH_BLOCKS:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    return  # closed: its prefetch is cancelled, nothing more is sent
+                batch, ahead = batch + more[0], more[1]
             missing = [(handle, absent) for handle, blocks in batch if (absent := _not_on_disk(handle, blocks))]
             if not missing:
                 continue
             try:
+                self.requests += 1
                 reply = self.client.prefetch(missing, self._session, ahead_samples=ahead)
                 self.latency_s = max(0.001, reply.latency_s)
             except GpufeedError:

@@ -111,3 +111,17 @@ def test_read_blocks_are_unpinned_and_unknown_items_are_passed_through(files: li
     client.hits.flush()
     wait_for(lambda s: s.pinned_bytes == 0, "read blocks to be unpinned")
     prefetcher.close()
+
+
+def test_what_was_queued_while_a_request_was_out_goes_as_one_request(files: list[str]) -> None:
+    """A loader takes a batch of indices at once and the window is topped up sample by sample;
+    the sender gathers what is queued into one request, not one per sample."""
+    client = gpufeed.client()
+    prefetcher = Prefetcher(client)
+    for n, path in enumerate(files[:10], 1):  # queued before the sender runs, as a burst of top-ups
+        prefetcher._queue.put(([(client.handle(path), [0])], n))
+    prefetcher._start()
+    wait_for(lambda s: s.prefetched == 10, "the ten files")
+    assert prefetcher.requests == 1
+    assert ahead_samples() == 10, "the request carries the lead of the latest top-up"
+    prefetcher.close()
