@@ -13,6 +13,7 @@ block, so none of its blocks is ever cached unchecked.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import logging
 import time
@@ -114,7 +115,9 @@ class Fetcher:
         are published, so an object is not evicted by its own arrival."""
         self._sources: dict[str, Source] = {}
         self._slots: asyncio.Semaphore | None = None
-        self._prefetch_slots: asyncio.Semaphore | None = None
+        self._prefetches: collections.deque[tuple[Session, Job, float]] = collections.deque()
+        """Blocks prefetch sessions asked for and no prefetcher took yet, in the order asked."""
+        self._prefetchers: set[asyncio.Task[None]] = set()
 
     def source(self, group: Group) -> Source:
         """The store for a group; its credentials are the reader's (keyed by a hash, never kept in clear)."""
@@ -301,34 +304,44 @@ class Fetcher:
         )
 
     def prefetch(self, session: Session, jobs: list[Job]) -> None:
-        """Queue blocks a job will read soon, in the order asked, at most PREFETCH_CONCURRENCY at
-        a time so demand reads keep their slots."""
+        """Queue blocks a job will read soon, fetched in the order asked by at most
+        PREFETCH_CONCURRENCY prefetchers, so demand reads keep their slots. A few long-lived
+        prefetchers, not a task per block: a block then costs no task, and no wait in a
+        semaphore's queue behind thousands of others."""
         asked = time.monotonic()
-        for job in jobs:
-            task = asyncio.create_task(self._prefetch_one(session, job, asked))
-            session.tasks.add(task)
-            task.add_done_callback(session.tasks.discard)
+        self._prefetches.extend((session, job, asked) for job in jobs)
+        session.queued += len(jobs)
+        while len(self._prefetchers) < min(PREFETCH_CONCURRENCY, len(self._prefetches)):
+            task = asyncio.create_task(self._prefetcher())
+            self._prefetchers.add(task)
+            task.add_done_callback(self._prefetchers.discard)
+
+    async def _prefetcher(self) -> None:
+        """Fetch queued blocks until none is left."""
+        while self._prefetches:
+            session, job, asked = self._prefetches.popleft()
+            try:
+                await self._prefetch_one(session, job, asked)
+            finally:
+                session.queued -= 1
 
     async def _prefetch_one(self, session: Session, job: Job, asked: float) -> None:
-        assert self._prefetch_slots is not None
-        async with self._prefetch_slots:
-            if session.cancelled or (session.pin and not self.sessions.room_to_pin()):
-                return
-            try:
-                status, fetched = await self.ensure(job)
-            except Exception as exc:  # a hint that failed: the demand read will fetch or report
-                self.metrics.count("prefetch_errors")
-                log.debug("prefetch of block %d of %s failed: %s", job.index, job.want.info.key, exc)
-                return
-            if status == "ok":
-                self.sessions.pin(session, job.block.name)
-            if fetched:
-                self.metrics.prefetch_time(time.monotonic() - asked)
+        if session.cancelled or (session.pin and not self.sessions.room_to_pin()):
+            return
+        try:
+            status, fetched = await self.ensure(job)
+        except Exception as exc:  # a hint that failed: the demand read will fetch or report
+            self.metrics.count("prefetch_errors")
+            log.debug("prefetch of block %d of %s failed: %s", job.index, job.want.info.key, exc)
+            return
+        if status == "ok":
+            self.sessions.pin(session, job.block.name)
+        if fetched:
+            self.metrics.prefetch_time(time.monotonic() - asked)
 
     def start(self) -> None:
         """Bind to the running event loop."""
         self._slots = asyncio.Semaphore(FETCH_CONCURRENCY)
-        self._prefetch_slots = asyncio.Semaphore(PREFETCH_CONCURRENCY)
 
 
 def _hexdigest(algorithm: str, data: bytearray) -> str:

@@ -210,7 +210,7 @@ class Agent:
         return sum(session.ahead_samples for session in self.sessions.sessions.values())
 
     def _queued(self) -> int:
-        return sum(len(session.tasks) for session in self.sessions.sessions.values())
+        return sum(session.queued for session in self.sessions.sessions.values())
 
     async def _hello(self, request: Hello, conn: Connection) -> Reply:
         return self.info()

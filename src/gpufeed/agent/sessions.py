@@ -7,7 +7,6 @@ sessions end when it closes, so a killed trainer releases its pins.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -27,7 +26,8 @@ class Session:
     pin: bool = True
     """Whether its fetched blocks stay pinned until read. A reader's hints about blocks it read
     around do not pin: nothing promises those blocks will be read soon."""
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    queued: int = 0
+    """Its blocks queued or being fetched (`Fetcher.prefetch`)."""
     pinned: set[str] = field(default_factory=set)
     cancelled: bool = False
     ahead_samples: int = 0
