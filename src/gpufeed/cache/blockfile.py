@@ -31,7 +31,11 @@ def read_one_chunk(files: OpenBlocks, path: str, length: int, header: bytes) -> 
     if held is None:
         held = files.open(path)
         if held is None:
-            unheld = _one_chunk_unheld(path, length, header)
+            try:
+                unheld = _one_chunk_unheld(path, length, header)
+            except FileNotFoundError:
+                files.check()  # a miss: blocks may have been deleted, and held ones keep their space
+                raise
             files.read_unheld(path)
             return unheld
     mapped = held.mapped
@@ -93,7 +97,11 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
     if held is None:
         held = files.open(path)
         if held is None:
-            fd = os.open(path, os.O_RDONLY)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                files.check()  # a miss: blocks may have been deleted, and held ones keep their space
+                raise
             try:
                 data = _read_unmapped(fd, ref, index, head, length, start, end)
             finally:

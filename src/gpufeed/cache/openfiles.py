@@ -142,8 +142,8 @@ class OpenBlocks:
     daemon whose files the kernel then keeps in its page cache, never reads them again.
 
     A hit looks its file up in `held` itself and calls `open` when it is not held; the reader
-    calls `check` every few dozen hits. So a hit of a held file makes no extra call and no extra
-    system call."""
+    calls `check` every few dozen hits, and a miss (the agent may have deleted blocks) at once.
+    So a hit makes no extra system call."""
 
     def __init__(self, primary: Path, capacity: int) -> None:
         self._counter = DeletionCounter.watch(primary)
@@ -161,16 +161,15 @@ class OpenBlocks:
     def open(self, path: str) -> Held | None:
         """The file at `path` held and mapped (FileNotFoundError on a miss), or None when it is
         not held: its first read, or no room. The caller then reads it with open, pread and
-        close. Nothing held is let go to make room: when the files read exceed what a process
-        may hold (random samples of a big dataset), swapping them would map, fault in and unmap
-        a file per read, dearer than the pread a file not held gets. Every call looks at the
-        agent's deletion count first, so a process that opens files lets go of deleted ones at
-        once."""
+        close, and calls `check` if the file is missing. Nothing held is let go to make room:
+        when the files read exceed what a process may hold (random samples of a big dataset),
+        swapping them would map, fault in and unmap a file per read, dearer than the pread a
+        file not held gets."""
         if self._full or len(self.held) >= self.capacity:
             return None
-        self.check()
         if path not in self._seen:
             return None  # a first read: `read_unheld` marks it once it found the file
+        self.check()
         if len(self.held) >= self.capacity:
             return None
         fd = os.open(path, os.O_RDONLY)
