@@ -287,11 +287,13 @@ def test_ls_lists_mounts_with_their_callbacks(tmp_path: Path, mountpoint: Path) 
     mount(mountpoint, "/data", "--no-warmup")
     for name in os.listdir(mountpoint):
         (mountpoint / name).read_bytes()
-    # release is each file's last callback: a state file that counts 4 has counted their reads
-    until(lambda: mount_state(mountpoint)["calls"].get("release") == 4, what="the state file")
+    # read is each file's last callback (closing one calls no Python): a state file that counts 4 has counted the rest
+    until(lambda: mount_state(mountpoint)["calls"].get("read") == 4, what="the state file")
     [row] = json.loads(ok("fuse", "ls", "--json"))
     assert row["mountpoint"] == str(mountpoint) and row["nspath"] == "/data" and row["alive"]
-    assert row["calls"]["read"] == 4  # one read callback for each small file
+    calls = row["calls"]
+    assert (calls["open"], calls["read"]) == (4, 4), "one read callback a small file"
+    assert "release" not in calls, "closing a file calls no Python"
 
 
 def test_a_sequential_reader_of_a_big_file_has_the_next_blocks_prefetched(tmp_path: Path, mountpoint: Path) -> None:
@@ -373,3 +375,35 @@ def test_bench_reads_through_a_plain_fuse_view_and_through_the_cached_mount(tmp_
     assert cached.epochs[1].latency_p50_ms < 20, "warm samples come from the mount's page cache"
     assert plain.epochs[1].latency_p50_ms >= 20, "a plain view asks the store again"
     assert not [p for p in fuse_mounts.mounted() if "gpufeed-bench-" in str(p)], "the run's mounts are gone"
+
+
+def test_an_open_file_whose_state_was_dropped_reads_its_version_or_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon hears of opens, not closes, and keeps the newest opens' state. A read through
+    an older file handle finds its object again by path: the same bytes while the version is the
+    one it opened, EIO once a refresh changed it (never another version's bytes)."""
+    from types import SimpleNamespace
+
+    from gpufeed.integrations import fuse
+
+    monkeypatch.setattr(fuse, "OPENS_KEPT", 1)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"a" * 1000)
+    (src / "b.bin").write_bytes(b"b" * 1000)
+    client = Client()
+    client.namespace.add_mount("/data", f"file://{src}")
+    operations = fuse.FeedOperations(client, "/data", fuse.MountState("/mnt", "/data", os.getpid(), 0.0, False))
+    first, second = SimpleNamespace(flags=os.O_RDONLY, fh=0, keep_cache=0), SimpleNamespace(flags=os.O_RDONLY, fh=0, keep_cache=0)
+    operations.open("/a.bin", first)
+    operations.open("/b.bin", second)  # the newest open: the first one's state is dropped
+    assert first.fh not in operations._opens
+    assert bytes(operations.read("/a.bin", 4096, 0, first)) == b"a" * 1000
+    (src / "a.bin").write_bytes(b"A" * 2000)
+    client.namespace.refresh("/data")
+    operations.open("/b.bin", second)
+    with pytest.raises(fuse.mfusepy.FuseOSError) as failed:
+        operations.read("/a.bin", 4096, 0, first)
+    assert failed.value.errno == errno.EIO
+    third = SimpleNamespace(flags=os.O_RDONLY, fh=0, keep_cache=0)
+    operations.open("/a.bin", third)
+    assert bytes(operations.read("/a.bin", 4096, 0, third)) == b"A" * 2000

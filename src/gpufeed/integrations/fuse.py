@@ -11,7 +11,8 @@ Why it is shaped this way:
   4 KiB. The reply is copied from the read path's buffer into libfuse's once (`_FeedFUSE.read`).
 - The kernel keeps attributes and entries for ATTR_TIMEOUT_S and keeps a file's page cache
   across opens (`keep_cache`) while the manifest lists the same version: a warm epoch does
-  not call into Python for the bytes at all. A refresh that changes an object is seen by
+  not call into Python for the bytes at all. Closing a file calls no Python either (no
+  release callback, see OPENS_KEPT), so a warm open costs one callback. A refresh that changes an object is seen by
   `_watch`, which invalidates what the kernel holds for it; its next open drops the pages.
 - Callbacks arrive on libfuse's threads, whose Python thread state (and so every
   threading.local, the agent connection among them) lives for one callback only. Prefetch
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from gpufeed.client import Client, ObjectHandle
 from gpufeed.client.connection import AgentUnavailable
@@ -211,6 +213,18 @@ class _Open:
     ahead: int = 0
 
 
+OPENS_KEPT = 16384
+"""Open files whose state the daemon keeps. It is told of opens, not of closes (a release
+callback would cost every open one more Python callback), so the oldest state is dropped; a
+read through a file handle whose state was dropped finds its object again by path and checks
+the version against the one its open saw (`_version_tag`)."""
+
+
+def _version_tag(handle: ObjectHandle) -> int:
+    """32 bits naming the version a handle reads, carried in the low half of the file handle."""
+    return xxhash.xxh32_intdigest(f"{handle.info.version}|{handle.size}|{handle.info.key}".encode())
+
+
 class FeedOperations(mfusepy.Operations):
     """The filesystem: FUSE path `/a/b` is namespace path `NSPATH/a/b`."""
 
@@ -223,7 +237,8 @@ class FeedOperations(mfusepy.Operations):
         self.calls: Counter[str] = Counter()
         self.uid, self.gid = os.getuid(), os.getgid()
         self._opens: dict[int, _Open] = {}
-        self._next_fh = 0
+        """File handle → its open file's state, the OPENS_KEPT newest."""
+        self._opened = 0
         self._lock = threading.Lock()
         self._served: dict[str, tuple[str | None, int]] = {}
         """FUSE path → (version, size) the kernel was told: what a refresh must invalidate."""
@@ -291,14 +306,20 @@ class FeedOperations(mfusepy.Operations):
         fi.keep_cache = int(self._served.get(path) == seen and handle.blocks is not None)
         self._served[path] = seen
         with self._lock:
-            self._next_fh += 1
-            fi.fh = self._next_fh
-            self._opens[fi.fh] = _Open(handle)
+            self._opened += 1
+            fi.fh = (self._opened & 0xFFFFFFFF) << 32 | _version_tag(handle)
+        self._keep(fi.fh, _Open(handle))
         return 0
+
+    def _keep(self, fh: int, opened: _Open) -> None:
+        with self._lock:
+            self._opens[fh] = opened
+            if len(self._opens) > OPENS_KEPT:
+                del self._opens[next(iter(self._opens))]
 
     def read(self, path: str, size: int, offset: int, fh: Any) -> memoryview:
         self.calls["read"] += 1
-        opened = self._opens[fh.fh]
+        opened = self._opens.get(fh.fh) or self._reopened(path, fh.fh)
         handle = opened.handle
         try:
             data = self.client.read_range(handle, offset, min(offset + size, handle.size))
@@ -320,11 +341,18 @@ class FeedOperations(mfusepy.Operations):
         self.prefetcher.ahead.put((opened.handle, list(range(max(block + 1, opened.ahead), last))))
         opened.ahead = last
 
-    def release(self, path: str, fh: Any) -> int:
-        self.calls["release"] += 1
-        with self._lock:
-            self._opens.pop(fh.fh, None)
-        return 0
+    def _reopened(self, path: str, fh: int) -> _Open:
+        """The state of an open file that was dropped (OPENS_KEPT newer opens since), found
+        again by path: the same version, or EIO rather than another version's bytes."""
+        try:
+            handle = self.client.handle(self._ns(path))
+        except GpufeedError as exc:
+            self._failed("read", path, exc)
+        if _version_tag(handle) != fh & 0xFFFFFFFF:
+            self._failed("read", path, GpufeedError(f"{self._ns(path)}: changed since this file was opened; open it again"))
+        opened = _Open(handle)
+        self._keep(fh, opened)
+        return opened
 
     def _failed(self, what: str, path: str, exc: GpufeedError) -> Any:
         """EIO to the reader, and one line naming the object: the kernel retries a failed page
