@@ -12,12 +12,13 @@ Why it is shaped this way:
 - The kernel keeps attributes and entries for ATTR_TIMEOUT_S and keeps a file's page cache
   across opens (`keep_cache`) while the manifest lists the same version: a warm epoch does
   not call into Python for the bytes at all. Closing a file calls no Python either (no
-  release callback, see OPENS_KEPT), so a warm open costs one callback. A refresh that changes an object is seen by
-  `_watch`, which invalidates what the kernel holds for it; its next open drops the pages.
+  release callback, see OPENS_KEPT), so a warm open costs one callback. A refresh that
+  changes an object is seen by `_watch`, which invalidates what the kernel holds for it; its
+  next open drops the pages.
 - Callbacks arrive on libfuse's threads, whose Python thread state (and so every
   threading.local, the agent connection among them) lives for one callback only. Prefetch
   sessions end with the connection that opened them, so warmup and read-ahead are sent from
-  one long-lived thread of this module (`_Prefetch`), never from a callback.
+  one long-lived thread (`fuse_prefetch.MountPrefetch`), never from a callback.
 """
 
 from __future__ import annotations
@@ -28,14 +29,12 @@ import errno
 import json
 import logging
 import os
-import queue
 import stat
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +42,10 @@ import numpy as np
 import xxhash
 
 from gpufeed.client import Client, ObjectHandle
-from gpufeed.client.connection import AgentUnavailable
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, IsADirectory, NamespacePathError
-from gpufeed.integrations.fuse_mounts import FuseError, state_file
+from gpufeed.integrations.fuse_mounts import FuseError, MountState, state_file
+from gpufeed.integrations.fuse_prefetch import MountPrefetch
 from gpufeed.logsetup import configure
 
 # mfusepy takes the first of libfuse2 and libfuse3 it finds; gpufeed is built on libfuse3 (fuse3
@@ -71,136 +70,8 @@ read request, where an 8 KiB first read took three."""
 READ_AHEAD_BLOCKS = 4
 """Blocks fetched ahead of a sequential reader of a big file (16 MiB with 4 MiB blocks); none
 on a mount made with --no-read-ahead."""
-WARMUP_CHUNK_BYTES = 64 << 20
-"""The background warmup queues this much at a time, and at most two chunks at once, so a
-million-file mount is not one agent request and demand reads find the store's slots free."""
-_DONE = object()
 WATCH_S = 1.0
 """How often the daemon checks the mount table for a refresh and writes its state file."""
-
-
-@dataclass
-class MountState:
-    """What a mount's daemon reports about itself: its identity, the callbacks it served and
-    how far its warmup got."""
-
-    mountpoint: str
-    nspath: str
-    pid: int
-    started: float
-    warmup: bool
-    read_ahead: bool = True
-    calls: dict[str, int] = field(default_factory=dict)
-    warm_files: int = 0
-    warm_total: int = 0
-    warm_done: bool = False
-    errors: int = 0
-    written: float = 0.0
-
-
-class _Prefetch(threading.Thread):
-    """The one thread that talks to the agent about blocks nobody waits for: read-ahead of
-    sequential readers and the background warmup of the mounted prefix. Demand reads go
-    through `Client.read_range` on the callback's thread; the agent serves them in slots of
-    their own, so they pass whatever this thread has queued (they still share the store's link
-    with the prefetches in flight, at most the agent's PREFETCH_CONCURRENCY)."""
-
-    def __init__(self, client: Client, nspath: str, state: MountState) -> None:
-        super().__init__(name="gpufeed-fuse-prefetch", daemon=True)
-        self.client = client
-        self.nspath = nspath
-        self.state = state
-        self.ahead: queue.Queue[tuple[ObjectHandle, list[int]]] = queue.Queue()
-        self._session = f"fuse-{os.getpid()}"
-        self._warm_session = f"fuse-warmup-{os.getpid()}"
-
-    def run(self) -> None:
-        warming = self._warm() if self.state.warmup else None
-        while True:
-            try:
-                handle, blocks = self.ahead.get(timeout=0.02 if warming is not None else None)
-                if missing := self._cached_soon(handle, blocks):
-                    self._send([(handle, missing)], self._session, pin=True)
-                continue
-            except queue.Empty:
-                pass
-            try:
-                if warming is not None and next(warming, _DONE) is _DONE:
-                    warming = None
-            except GpufeedError as exc:  # the manifest went away under the warmup: read-ahead goes on
-                log.warning("gpufeed fuse: warmup of %s stopped: %s", self.nspath, exc)
-                warming = None
-
-    @staticmethod
-    def _cached_soon(handle: ObjectHandle, blocks: list[int]) -> list[int]:
-        """Have the kernel read the cached ones of `blocks` from disk now (a sequential reader
-        of a cached file otherwise waits on each page of the block file it reaches); returns
-        the others, for the agent to fetch."""
-        ref = handle.blocks
-        assert ref is not None
-        missing = []
-        for index in blocks:
-            try:
-                fd = os.open(ref.path(index), os.O_RDONLY)
-            except FileNotFoundError:
-                missing.append(index)
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
-        return missing
-
-    def _send(self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool) -> bool:
-        try:
-            self.client.prefetch(wanted, session, pin=pin)
-            return True
-        except (AgentUnavailable, GpufeedError, OSError) as exc:
-            log.debug("prefetch not sent: %s", exc)
-            return False
-
-    def _warm(self) -> Iterator[None]:
-        """A generator, one step at a time between read-ahead requests: queue a chunk of the
-        prefix's missing blocks, then wait (stepwise) until the chunk before it is cached."""
-        started = time.monotonic()
-        files = list(self.client.walk(self.nspath))
-        self.state.warm_total = len(files)
-        sent: list[tuple[ObjectHandle, list[int]]] = []
-        chunk: list[tuple[ObjectHandle, list[int]]] = []
-        chunk_bytes = 0
-        for number, item in enumerate(files, 1):
-            try:
-                handle = self.client.handle(item.path)
-            except GpufeedError as exc:
-                log.warning("gpufeed fuse: warmup skips %s: %s", item.path, exc)
-                continue
-            ref = handle.blocks
-            if ref is not None:
-                missing = [i for i in range(ref.blocks.count) if not os.path.exists(ref.path(i))]
-                if missing:
-                    chunk.append((handle, missing))
-                    chunk_bytes += sum(ref.length(i) for i in missing)
-            if chunk_bytes >= WARMUP_CHUNK_BYTES or number == len(files):
-                while chunk and not self._send(chunk, self._warm_session, pin=False):
-                    yield  # no agent for now: the next request starts one
-                yield from self._cached(sent)
-                self.state.warm_files = number - len(chunk)
-                sent, chunk, chunk_bytes = chunk, [], 0
-        yield from self._cached(sent)
-        self.state.warm_files, self.state.warm_done = len(files), True
-        log.info("gpufeed fuse: warmup of %s done: %d files in %.1f s", self.nspath, len(files), time.monotonic() - started)
-
-    @staticmethod
-    def _cached(sent: list[tuple[ObjectHandle, list[int]]]) -> Iterator[None]:
-        """Steps until every block of `sent` is published (an evicted or failed one counts as
-        done after a while: the warmup is a hint, the demand read fetches it anyway)."""
-        deadline = time.monotonic() + 120.0
-        for handle, blocks in sent:
-            ref = handle.blocks
-            assert ref is not None
-            for index in blocks:
-                while not os.path.exists(ref.path(index)) and time.monotonic() < deadline:
-                    yield
 
 
 @dataclass
@@ -245,7 +116,7 @@ class FeedOperations(mfusepy.Operations):
         self._fuse: int | None = None
         self.started = False
         self._logged: set[str] = set()
-        self.prefetcher = _Prefetch(client, nspath, state)
+        self.prefetcher = MountPrefetch(client, nspath, state)
 
     def _ns(self, path: str) -> str:
         return self.base + path if path != "/" else self.base or "/"

@@ -16,11 +16,31 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError
+
+
+@dataclass
+class MountState:
+    """What a mount's daemon reports about itself: its identity, the callbacks it served and
+    how far its warmup got."""
+
+    mountpoint: str
+    nspath: str
+    pid: int
+    started: float
+    warmup: bool
+    read_ahead: bool = True
+    calls: dict[str, int] = field(default_factory=dict)
+    warm_files: int = 0
+    warm_total: int = 0
+    warm_done: bool = False
+    errors: int = 0
+    written: float = 0.0
+
 
 FUSE_DEVICE = Path("/dev/fuse")
 FSTYPE = "fuse.gpufeed"
