@@ -94,7 +94,8 @@ class Prefetcher:
         costs a stat per block here instead of an agent round trip per block."""
         while (queued := self._queue.get()) is not None:
             batch, ahead = queued
-            while sum(len(blocks) for _, blocks in batch) < BATCH_BLOCKS:
+            count = sum(len(blocks) for _, blocks in batch)
+            while count < BATCH_BLOCKS:
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
@@ -102,6 +103,7 @@ class Prefetcher:
                 if more is None:
                     return  # closed: its prefetch is cancelled, nothing more is sent
                 batch, ahead = batch + more[0], more[1]
+                count += sum(len(blocks) for _, blocks in more[0])
             missing = [(handle, absent) for handle, blocks in batch if (absent := _not_on_disk(handle, blocks))]
             if not missing:
                 continue

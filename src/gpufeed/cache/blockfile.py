@@ -31,11 +31,7 @@ def read_one_chunk(files: OpenBlocks, path: str, length: int, header: bytes) -> 
     if held is None:
         held = files.open(path)
         if held is None:
-            try:
-                unheld = _one_chunk_unheld(path, length, header)
-            except FileNotFoundError:
-                files.check()  # a miss: blocks may have been deleted, and held ones keep their space
-                raise
+            unheld = _one_chunk_unheld(_open_unheld(files, path), length, header)
             files.read_unheld(path)
             return unheld
     mapped = held.mapped
@@ -54,10 +50,20 @@ def read_one_chunk(files: OpenBlocks, path: str, length: int, header: bytes) -> 
     return memoryview(data)
 
 
-def _one_chunk_unheld(path: str, length: int, header: bytes) -> memoryview:
-    """A one-chunk block this process does not hold: one open, a pread of the header and one
-    of the data (a copy of its own, so `as_bytes` needs none), one close."""
-    fd = os.open(path, os.O_RDONLY)
+def _open_unheld(files: OpenBlocks, path: str) -> int:
+    """A descriptor for a read of a block file this process does not hold. A miss makes
+    `files` look at the agent's deletion count: blocks may have been deleted, and the held ones
+    keep their space until let go."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        files.check()
+        raise
+
+
+def _one_chunk_unheld(fd: int, length: int, header: bytes) -> memoryview:
+    """A one-chunk block this process does not hold, open at `fd`: a pread of the header and
+    one of the data (a copy of its own, so `as_bytes` needs none), then the close."""
     try:
         head = os.pread(fd, SMALL_HEAD, 0)
         data = os.pread(fd, length, SMALL_HEAD)
@@ -97,11 +103,7 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
     if held is None:
         held = files.open(path)
         if held is None:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                files.check()  # a miss: blocks may have been deleted, and held ones keep their space
-                raise
+            fd = _open_unheld(files, path)
             try:
                 data = _read_unmapped(fd, ref, index, head, length, start, end)
             finally:
