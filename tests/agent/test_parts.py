@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.agent.fetcher import Fetcher, Job
+from gpufeed.agent.fetcher import FETCH_CONCURRENCY, Fetcher, Job, StoreBlocks
 from gpufeed.agent.manager import AgentConfig, CacheManager
 from gpufeed.agent.metrics import Metrics
 from gpufeed.agent.sessions import Sessions
@@ -64,7 +64,6 @@ def test_one_store_read_per_block_however_many_want_it(tmp_path: Path) -> None:
     fetcher.chain = [store]
 
     async def run() -> None:
-        fetcher.start()
         replies = await asyncio.gather(*(fetcher.fetch([group(tmp_path / "src", info, [0, 1, 2])]) for _ in range(8)))
         assert all(not r.failures and not r.uncached for r in replies)
         assert sum(r.fetched for r in replies) == len(data), "the bytes are counted once, for whoever fetched them"
@@ -84,7 +83,6 @@ def test_an_object_with_a_content_hash_is_fetched_whole_once(tmp_path: Path) -> 
     fetcher.chain = [store]
 
     async def run() -> None:
-        fetcher.start()
         replies = await asyncio.gather(*(fetcher.fetch([group(tmp_path, info, [i])]) for i in (2, 0, 1, 2)))
         assert all(not r.failures for r in replies)
 
@@ -92,6 +90,57 @@ def test_an_object_with_a_content_hash_is_fetched_whole_once(tmp_path: Path) -> 
     assert store.reads == [(0, len(data))], "one whole read, checked by the source, then every block published"
     blocks = object_blocks(f"file://{tmp_path}", {}, info, 4096, True)
     assert all(manager.present(blocks.block(i)) for i in range(3))
+
+
+class StalledPeer:
+    """A peer that holds every request until released, as a node does whose own reads wait on
+    this one; it never has the block, so the chain goes on to the store."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.release = asyncio.Event()
+
+    async def read(self, job: Job, start: int, end: int) -> None:
+        self.asked += 1
+        await self.release.wait()
+        return None
+
+    def only_blocks(self, job: Job) -> bool:
+        return True
+
+
+def test_reads_waiting_on_a_peer_leave_the_store_free(tmp_path: Path) -> None:
+    """Two nodes whose fetch slots all wait on each other's answers must not stall: the store's
+    slots bound store reads only, so a block served for a peer (store only) is read at once
+    however many of this node's reads are waiting on that peer."""
+    root = tmp_path / "src"
+    root.mkdir()
+    waiting = FETCH_CONCURRENCY + 8
+    infos = []
+    for i in range(waiting + 1):
+        (root / f"obj{i}").write_bytes(os.urandom(1000))
+        infos.append(ObjectInfo(f"obj{i}", 1000, 1.0, "v1"))
+    fetcher, _, metrics = parts(tmp_path)
+    peer = StalledPeer()
+    fetcher.chain = [peer, StoreBlocks(metrics)]
+
+    def unchecked(info: ObjectInfo) -> list[Group]:  # the files' versions are not the listing's here
+        return [Group(SourceSpec(f"file://{root}", {}), [ObjectWant(info, False, 4096, [0])])]
+
+    async def run() -> None:
+        stalled = [asyncio.create_task(fetcher.fetch(unchecked(info))) for info in infos[:waiting]]
+        for _ in range(300):  # every read reaches the peer (before the change, only as many as there were slots)
+            if peer.asked == waiting:
+                break
+            await asyncio.sleep(0.01)
+        fetcher.chain = [StoreBlocks(metrics)]  # what a node serving a peer asks: its store only
+        served = await asyncio.wait_for(fetcher.fetch(unchecked(infos[waiting])), 10)
+        assert not served.failures and served.fetched == 1000
+        peer.release.set()
+        replies = await asyncio.gather(*stalled)
+        assert all(not r.failures for r in replies), "released, the waiting reads go on to the store"
+
+    asyncio.run(run())
 
 
 def test_a_repair_discards_the_damaged_block_and_fetches_it_again(tmp_path: Path) -> None:
@@ -104,7 +153,6 @@ def test_a_repair_discards_the_damaged_block_and_fetches_it_again(tmp_path: Path
     ref = BlockRef.of(manager.config.dirs, blocks, True, OpenBlocks(Path("/nonexistent"), 0))
 
     async def run(repair: list[int]) -> None:
-        fetcher.start()
         want = ObjectWant(info, True, 4096, [0], repair)
         reply = await fetcher.fetch([Group(SourceSpec(f"file://{tmp_path}", {}), [want])])
         assert not reply.failures

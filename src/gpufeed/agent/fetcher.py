@@ -84,17 +84,21 @@ class BlockSource(Protocol):
 
 
 class StoreBlocks:
-    """The object store itself: the last source in the chain, and the one that always answers."""
+    """The object store itself: the last source in the chain, and the one that always answers.
+    Its FETCH_CONCURRENCY slots bound reads of the store only: a read waiting on a peer holds
+    none, or two nodes whose slots all wait on each other would stall until a timeout."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
+        self.slots = asyncio.Semaphore(FETCH_CONCURRENCY)
 
     def only_blocks(self, job: Job) -> bool:
         return False
 
     async def read(self, job: Job, start: int, end: int) -> memoryview:
-        began = time.monotonic()
-        data = await job.source.get_range_async(job.want.info.key, start, end, job.want.info, conditional=job.want.check)
+        async with self.slots:
+            began = time.monotonic()
+            data = await job.source.get_range_async(job.want.info.key, start, end, job.want.info, conditional=job.want.check)
         self.metrics.fetched(job.mount, "store", len(data), time.monotonic() - began)
         if len(data) != end - start:  # the object shrank or grew: never publish a short block
             raise errors.ObjectChanged(f"{job.want.info.key}: the source returned {len(data)} bytes for [{start}, {end})")
@@ -114,7 +118,6 @@ class Fetcher:
         """Blocks of objects being fetched whole: eviction leaves them alone while their siblings
         are published, so an object is not evicted by its own arrival."""
         self._sources: dict[str, Source] = {}
-        self._slots: asyncio.Semaphore | None = None
         self._prefetches: collections.deque[tuple[Session, Job, float]] = collections.deque()
         """Blocks prefetch sessions asked for and no prefetcher took yet, in the order asked."""
         self._prefetchers: set[asyncio.Task[None]] = set()
@@ -227,12 +230,10 @@ class Fetcher:
             del self.inflight[flight]
 
     async def _read(self, job: Job, start: int, end: int) -> memoryview:
-        assert self._slots is not None
-        async with self._slots:
-            for source in self.chain:
-                data = await source.read(job, start, end)
-                if data is not None:
-                    return data
+        for source in self.chain:
+            data = await source.read(job, start, end)
+            if data is not None:
+                return data
         raise errors.SourceError(f"{job.want.info.key}: no source had bytes [{start}, {end})")
 
     async def _one(self, job: Job) -> Status:
@@ -338,10 +339,6 @@ class Fetcher:
             self.sessions.pin(session, job.block.name)
         if fetched:
             self.metrics.prefetch_time(time.monotonic() - asked)
-
-    def start(self) -> None:
-        """Bind to the running event loop."""
-        self._slots = asyncio.Semaphore(FETCH_CONCURRENCY)
 
 
 def _hexdigest(algorithm: str, data: bytearray) -> str:

@@ -413,7 +413,6 @@ class Agent:
         if self.metrics_addr or self.cluster is not None:
             self.coverage.start()  # read by a dashboard, a scrape, or the cluster (the GPU pool's placement)
         self._stop = asyncio.Event()
-        self.fetcher.start()
         self.uploads.recover()
         if self.cluster is not None:
             await self.cluster.start()
