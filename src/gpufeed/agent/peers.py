@@ -54,7 +54,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpufeed.agent")
 
 MAX_REQUEST = 1 << 20
-CONNECT_TIMEOUT_S = 0.5
+CONNECT_TIMEOUT_S = 1.5
+"""Longer than the first SYN retransmit (1 s): a SYN that a busy link dropped must not make a
+healthy peer suspect and send its blocks to the store."""
 READ_TIMEOUT_S = 10.0
 """A peer that took the request but sends nothing for this long is suspect: a hung process. Its
 store may be slow, so this is generous; a host that is gone is caught by UNACKED_S instead."""
