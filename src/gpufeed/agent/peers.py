@@ -60,9 +60,10 @@ healthy peer suspect and send its blocks to the store."""
 READ_TIMEOUT_S = 10.0
 """A peer that took the request but sends nothing for this long is suspect: a hung process. Its
 store may be slow, so this is generous; a host that is gone is caught by UNACKED_S instead."""
-UNACKED_S = 1.0
+UNACKED_S = 1.5
 """A request the peer's host has not acknowledged for this long fails (TCP_USER_TIMEOUT): a host
-off the network is skipped within a second even on a kept-alive connection."""
+off the network is skipped within 1.5 s even on a kept-alive connection. Linux applies it to the
+handshake too, so it must outlast the first SYN retransmit (1 s), as CONNECT_TIMEOUT_S does."""
 WARM_TIMEOUT_S = 300.0
 """How long an owner may take to cache a cluster warmup's batch from its store before it is
 suspect and this node fetches that batch itself."""
