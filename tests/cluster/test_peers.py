@@ -20,12 +20,14 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from gpufeed.bench.children import free_port
 from gpufeed.client.connection import AgentClient
 from gpufeed.cluster.membership import status
 from gpufeed.namespace import Namespace
+from gpufeed.rpc.messages import Metrics, MetricsText, PeerFetch
 from tests.cluster.members import TOKEN, Member, joined, wait
 from tests.cluster.tls import cluster_certificates
 from tests.conftest import HttpServer
@@ -88,6 +90,36 @@ def test_each_block_is_fetched_from_the_store_once_for_the_whole_cluster(
     log = members[0].log.read_text()
     assert "peer node1 (127.0.0.1:" in log and "is suspect" in log, log
     wait(lambda: {node["id"] for node in asyncio.run(status(url))} == {"node0", "node2"}, "node1 to drop out")
+
+
+def test_blocks_wanted_from_one_owner_at_once_go_in_few_requests(
+    cluster: tuple[str, list[Member]], dataset: tuple[list[str], dict[str, str], str]
+) -> None:
+    """A batch's reads (a DataLoader's `__getitems__`) of blocks other nodes own cost a request
+    per owner and batch of up to PEER_BATCH_BLOCKS, not one per block, at either end."""
+    _, members = cluster
+    paths, digests, _ = dataset
+    assert members[0].read_all(paths) == digests  # every owner has its share cached
+
+    def served() -> tuple[float, float]:
+        totals = [0.0, 0.0]
+        for member in members[1:]:
+            text = AgentClient(member.settings()).request(Metrics(), MetricsText, start=False).text
+            for i, name in enumerate(("gpufeed_peer_served_total", "gpufeed_peer_requests_total")):
+                totals[i] += float(re.search(rf"^{name} (\S+)$", text, re.M)[1])  # type: ignore[index]
+        return totals[0], totals[1]
+
+    blocks_before, requests_before = served()
+    code = ("import hashlib, sys, gpufeed\n"
+            "for p, v in zip(sys.argv[1:], gpufeed.client().read_files(sys.argv[1:])): print(p, hashlib.sha256(v).hexdigest())")
+    AgentClient(members[0].settings()).clear()
+    done = subprocess.run([sys.executable, "-c", code, *paths], env=members[0].env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert dict(line.split() for line in done.stdout.splitlines()) == digests
+    blocks, requests = (after - before for after, before in zip(served(), (blocks_before, requests_before), strict=True))
+    assert blocks >= FILES / 3, "node1 and node2 served node0 the blocks they own"
+    assert requests <= blocks / 4, f"{requests:.0f} requests for {blocks:.0f} blocks"
 
 
 def test_an_object_checked_whole_is_fetched_once_by_its_owner_and_passed_block_by_block(
@@ -208,7 +240,7 @@ def test_peers_over_mutual_tls_serve_only_peers_with_a_cluster_certificate(
 
 def test_the_peer_api_refuses_a_wrong_token_garbage_and_oversized_requests(cluster: tuple[str, list[Member]]) -> None:
     _, members = cluster
-    target = f"http://127.0.0.1:{members[0].port}/v1/block"
+    target = f"http://127.0.0.1:{members[0].port}/v1/blocks"
 
     def post(body: bytes, token: str) -> int:
         request = urllib.request.Request(target, data=body, headers={"Authorization": f"Bearer {token}"})
@@ -221,6 +253,7 @@ def test_the_peer_api_refuses_a_wrong_token_garbage_and_oversized_requests(clust
     assert post(b"\x81\xa4type", "wrong-token-wrong-token") == 401
     assert post(b"\x81\xa4type", TOKEN) == 400
     assert post(b"not msgpack at all", TOKEN) == 400
+    assert post(msgspec.msgpack.encode(PeerFetch([])), TOKEN) == 400, "a request names at least one block"
     assert post(b"\0" * (2 << 20), TOKEN) == 413
     assert members[0].process.poll() is None, "the agent lives on"
     assert "refused: wrong or missing cluster token" in members[0].log.read_text()

@@ -74,6 +74,7 @@ class Collector:
             ("prefetched", "Blocks prefetched and pinned until read"),
             ("prefetch_errors", "Prefetches that failed (the demand read fetches again)"),
             ("peer_served", "Blocks this node served to peers"),
+            ("peer_requests", "Block requests this node answered peers (each carries what the peer wanted meanwhile)"),
             ("peer_served_bytes", "Bytes this node served to peers"),
             ("peer_corrupt", "Blocks a peer sent damaged (the next owner or the store was read)"),
         ]:

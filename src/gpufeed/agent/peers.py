@@ -3,10 +3,12 @@ fetched from the store once, by it. One more `BlockSource` in the fetcher's chai
 store, and the HTTP API that answers it (HTTPS with mutual TLS when the node has a certificate,
 `peer_tls`).
 
-    POST /v1/block   Authorization: Bearer TOKEN, body: msgpack `PeerFetch` (one object, one block)
-      200  the block's bytes; X-Gpufeed-Xxh3: their xxh3-64, which the asker checks
-      404  the owner cannot cache it: the asker reads the store itself
-      400 malformed, 401 wrong token, 413 over MAX_REQUEST, 502 the store failed the owner
+    POST /v1/blocks  Authorization: Bearer TOKEN, body: msgpack `PeerFetch` (one block of one
+                     object a group, up to PEER_BATCH_BLOCKS)
+      200  msgpack `PeerFetched`: per block its bytes and their xxh3-64, which the asker checks,
+           or 404 (the owner cannot cache it: the asker reads the store itself) or 502 (the
+           store failed the owner)
+      400 malformed, 401 wrong token, 413 over MAX_REQUEST
     POST /v1/warm    body: msgpack `PeerWarm` (blocks the peer owns, for a cluster warmup)
       200  msgpack `Fetched`: once every block is cached there, known uncached, or failed
     GET /v1/health   200 "ok" (token required too): how a suspect peer is probed
@@ -14,11 +16,14 @@ store, and the HTTP API that answers it (HTTPS with mutual TLS when the node has
 Blocks are named by the request's own object identity (`Fetcher.jobs` derives it, as for local
 readers): no paths, nothing to traverse. A peer that fails, times out or refuses is suspect at
 once and skipped, then probed in the background until it answers; the store is always last.
+An asker sends the blocks it wants from one owner while its last requests to it are out as one
+request (`OwnerQueue`): a round trip, and the HTTP work on both ends, per batch, not per block.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import hmac
 import logging
@@ -45,7 +50,7 @@ from gpufeed.cluster import poolboard
 from gpufeed.cluster.membership import HEARTBEAT_S, Membership
 from gpufeed.cluster.ownership import Node, owners
 from gpufeed.config import Settings, cluster_node_id, parse_addr
-from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant, PeerFetch, PeerWarm
+from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant, PeerBlock, PeerFetch, PeerFetched, PeerWarm
 
 if TYPE_CHECKING:
     from gpufeed.agent.fetcher import Fetcher, Job
@@ -68,8 +73,14 @@ WARM_TIMEOUT_S = 300.0
 """How long an owner may take to cache a cluster warmup's batch from its store before it is
 suspect and this node fetches that batch itself."""
 PROBE_S = 1.0
-CHECKSUM = "X-Gpufeed-Xxh3"
+PEER_BATCH_BLOCKS = 16
+PEER_BATCH_BYTES = 4 << 20
+"""A request to a peer carries at most this many blocks and bytes: a reply waits for its slowest
+block, and is held whole in memory at both ends."""
+REQUESTS_PER_PEER = 8
+"""Requests in flight to one peer; what queues meanwhile goes in the next."""
 _decoder = msgspec.msgpack.Decoder(PeerFetch)
+_fetched_peer_decoder = msgspec.msgpack.Decoder(PeerFetched)
 _warm_decoder = msgspec.msgpack.Decoder(PeerWarm)
 _fetched_decoder = msgspec.msgpack.Decoder(Fetched)
 _encoder = msgspec.msgpack.Encoder()
@@ -166,6 +177,33 @@ def _peer_socket(addr: tuple[int, int, int, str, Any]) -> socket.socket:
     return sock
 
 
+Wanted = tuple["Job", int, int, "asyncio.Future[memoryview | None]"]
+"""A block asked of a peer: its job, index and length, and where its bytes go."""
+
+
+class OwnerQueue:
+    """Blocks wanted from one peer and not yet sent, and how many requests to it are out."""
+
+    def __init__(self) -> None:
+        self.waiting: collections.deque[Wanted] = collections.deque()
+        self.senders = 0
+
+    def take(self) -> list[Wanted]:
+        """The next request's blocks, in the order asked: at least one, at most
+        PEER_BATCH_BLOCKS and PEER_BATCH_BYTES; those whose askers went away are dropped."""
+        batch: list[Wanted] = []
+        size = 0
+        while self.waiting and len(batch) < PEER_BATCH_BLOCKS:
+            job, index, length, wanted = self.waiting[0]
+            if batch and size + length > PEER_BATCH_BYTES:
+                break
+            self.waiting.popleft()
+            if not wanted.done():
+                batch.append((job, index, length, wanted))
+                size += length
+        return batch
+
+
 class PeerBlocks:
     """The owners of a block, asked in order before the store (`fetcher.BlockSource`)."""
 
@@ -179,6 +217,8 @@ class PeerBlocks:
         self.scheme = "https" if tls is not None else "http"
         self.session: aiohttp.ClientSession | None = None
         self.suspects: Suspects | None = None
+        self._queues: dict[str, OwnerQueue] = {}
+        self._senders: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
@@ -228,29 +268,81 @@ class PeerBlocks:
         return None
 
     async def _ask(self, node: Node, job: Job, index: int, length: int) -> memoryview | None:
-        assert self.session is not None and self.suspects is not None and job.group is not None
-        want = job.want
-        one = Group(job.group.source, [ObjectWant(want.info, want.check, want.block_size, [index])],
-                    job.group.credentials, job.group.mount)
+        """The block from `node`, sent with whatever else this node wants from it meanwhile;
+        None when it has not got it, or failed (then it is suspect)."""
+        queue = self._queues.get(node.id)
+        if queue is None:
+            queue = self._queues[node.id] = OwnerQueue()
+        wanted: asyncio.Future[memoryview | None] = asyncio.get_running_loop().create_future()
+        queue.waiting.append((job, index, length, wanted))
+        if queue.senders < REQUESTS_PER_PEER:
+            queue.senders += 1
+            task = asyncio.create_task(self._send(node, queue))
+            self._senders.add(task)
+            task.add_done_callback(self._senders.discard)
+        return await wanted
+
+    async def _send(self, node: Node, queue: OwnerQueue) -> None:
+        """Send what is queued for `node`, a batch a request, until nothing is; every asker
+        gets an answer, None when the peer failed."""
+        assert self.suspects is not None
+        try:
+            while queue.waiting:
+                batch = queue.take()
+                got: list[memoryview | None] = [None] * len(batch)
+                try:
+                    if batch and node.id not in self.suspects:
+                        got = await self._request(node, batch)
+                finally:
+                    for (_, _, _, wanted), data in zip(batch, got, strict=True):
+                        if not wanted.done():
+                            wanted.set_result(data)
+        finally:
+            queue.senders -= 1
+            if not queue.senders:
+                for _, _, _, wanted in queue.waiting:  # only when the last sender stopped on an error
+                    if not wanted.done():
+                        wanted.set_result(None)
+                queue.waiting.clear()
+
+    async def _request(self, node: Node, batch: list[Wanted]) -> list[memoryview | None]:
+        assert self.session is not None and self.suspects is not None
+        groups = []
+        for job, index, _, _ in batch:
+            assert job.group is not None
+            want = job.want
+            groups.append(Group(job.group.source, [ObjectWant(want.info, want.check, want.block_size, [index])],
+                                job.group.credentials, job.group.mount))
+        nothing: list[memoryview | None] = [None] * len(batch)
         try:
             async with self.session.post(
-                f"{self.scheme}://{node.address}/v1/block", data=_encoder.encode(PeerFetch(one)), headers=self.headers
+                f"{self.scheme}://{node.address}/v1/blocks", data=_encoder.encode(PeerFetch(groups)), headers=self.headers
             ) as response:
-                if response.status == 404:
-                    return None
                 if response.status != 200:
                     self.suspects.mark(node, f"HTTP {response.status} {(await response.text())[:200]}")
-                    return None
-                data = await response.read()
-                expected = response.headers.get(CHECKSUM, "")
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    return nothing
+                reply = _fetched_peer_decoder.decode(await response.read())
+        except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.suspects.mark(node, str(exc) or type(exc).__name__)
-            return None
-        if len(data) != length or xxhash.xxh3_64_hexdigest(data) != expected:
-            self.metrics.count("peer_corrupt")
-            self.suspects.mark(node, f"block {job.blocks.block(index).name} arrived damaged ({len(data)} of {length} bytes)")
-            return None
-        return memoryview(data)
+            return nothing
+        if len(reply.blocks) != len(batch):
+            self.suspects.mark(node, f"answered {len(reply.blocks)} of {len(batch)} blocks")
+            return nothing
+        got: list[memoryview | None] = []
+        for (job, index, length, _), block in zip(batch, reply.blocks, strict=True):
+            data = block.data
+            if block.status == 404:
+                got.append(None)
+            elif block.status != 200:
+                self.suspects.mark(node, f"{block.status} {data[:200].decode(errors='replace')}")
+                got.append(None)
+            elif len(data) != length or xxhash.xxh3_64_hexdigest(data) != block.xxh3:
+                self.metrics.count("peer_corrupt")
+                self.suspects.mark(node, f"block {job.blocks.block(index).name} arrived damaged ({len(data)} of {length} bytes)")
+                got.append(None)
+            else:
+                got.append(memoryview(data))
+        return got
 
 
     async def warm(self, jobs: list[Job], here: Callable[[list[Job]], Awaitable[Fetched]]) -> Fetched:
@@ -325,37 +417,60 @@ class PeerServer:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok") if self._allowed(request) else web.Response(status=401, text="wrong token")
 
-    async def block(self, request: web.Request) -> web.Response:
+    async def blocks(self, request: web.Request) -> web.Response:
         if not self._allowed(request):
             return web.Response(status=401, text="wrong token")
         try:
-            body = await request.read()
-            group = _decoder.decode(body).group
-            jobs = self.fetcher.jobs([group])
+            groups = _decoder.decode(await request.read()).groups
+            if not 0 < len(groups) <= PEER_BATCH_BLOCKS:
+                raise errors.InvalidArgument(f"{len(groups)} blocks: a request names 1 to {PEER_BATCH_BLOCKS}")
+            if any(len(group.objects) != 1 or len(group.objects[0].blocks) != 1 for group in groups):
+                raise errors.InvalidArgument("a group names exactly one block of one object")
+            jobs = self.fetcher.jobs(groups)
         except web.HTTPRequestEntityTooLarge:
             raise
         except (msgspec.DecodeError, msgspec.ValidationError, errors.InvalidArgument) as exc:
             return web.Response(status=400, text=f"malformed block request: {exc}")
-        if len(jobs) != 1:
-            return web.Response(status=400, text="a peer request names exactly one block of one object")
-        job = jobs[0]
         mark = serving_peer.set(True)
+        try:
+            statuses = await asyncio.gather(*(self._ensure(job) for job in jobs))
+        finally:
+            serving_peer.reset(mark)
+        body, served, served_bytes = await asyncio.to_thread(self._reply, jobs, statuses)
+        self.metrics.count("peer_requests")
+        self.metrics.count("peer_served", served)
+        self.metrics.count("peer_served_bytes", served_bytes)
+        return web.Response(body=body, content_type="application/msgpack")
+
+    async def _ensure(self, job: Job) -> str:
+        """'ok', 'uncached', or why the store failed this node."""
         try:
             status, _ = await self.fetcher.ensure(job)
         except errors.GpufeedError as exc:
-            return web.Response(status=502, text=str(exc))
-        finally:
-            serving_peer.reset(mark)
-        if status != "ok":
-            return web.Response(status=404, text="not cached here")
-        ref = BlockRef.of(self.dirs, job.blocks, True, self.files)
-        try:
-            data = await asyncio.to_thread(blockfile.read, ref, job.index, 0, job.blocks.length(job.index))
-        except (FileNotFoundError, CorruptBlock):
-            return web.Response(status=404, text="not cached here")
-        self.metrics.count("peer_served")
-        self.metrics.count("peer_served_bytes", len(data))
-        return web.Response(body=data, headers={CHECKSUM: xxhash.xxh3_64_hexdigest(data)})
+            return f"error: {exc}"
+        return status
+
+    def _reply(self, jobs: list[Job], statuses: list[str]) -> tuple[bytes, int, int]:
+        """The encoded `PeerFetched`, blocks served and their bytes; off the event loop, as it
+        reads block files."""
+        blocks = []
+        served = served_bytes = 0
+        for job, status in zip(jobs, statuses, strict=True):
+            if status.startswith("error: "):
+                blocks.append(PeerBlock(502, status.removeprefix("error: ").encode()))
+                continue
+            try:
+                if status != "ok":
+                    raise FileNotFoundError
+                ref = BlockRef.of(self.dirs, job.blocks, True, self.files)
+                data = blockfile.read(ref, job.index, 0, job.blocks.length(job.index))
+            except (FileNotFoundError, CorruptBlock):
+                blocks.append(PeerBlock(404, b""))
+                continue
+            blocks.append(PeerBlock(200, data, xxhash.xxh3_64_hexdigest(data)))  # type: ignore[arg-type]
+            served += 1
+            served_bytes += len(data)
+        return _encoder.encode(PeerFetched(blocks)), served, served_bytes
 
     async def warm(self, request: web.Request) -> web.Response:
         if not self._allowed(request):
@@ -375,7 +490,7 @@ class PeerServer:
 
     async def start(self, host: str, port: int) -> None:
         app = web.Application(client_max_size=MAX_REQUEST)
-        app.router.add_post("/v1/block", self.block)
+        app.router.add_post("/v1/blocks", self.blocks)
         app.router.add_post("/v1/warm", self.warm)
         app.router.add_get("/v1/health", self.health)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)

@@ -284,10 +284,27 @@ Reply = AgentInfo | Fetched | Queued | Cleared | Done | Refused | MetricsText | 
 
 
 class PeerFetch(msgspec.Struct, tag="peer_fetch"):
-    """A peer's request to a block's owner (the peer HTTP API, not the local socket): the one
-    object and the one block it misses, as its reader named them, credentials included."""
+    """A peer's request to the owner of blocks it misses (the peer HTTP API, not the local
+    socket): one object and one block a group, as its readers named them, credentials included.
+    Several blocks when its reads of that owner queued up while its last request was out."""
 
-    group: Group
+    groups: list[Group]
+
+
+class PeerBlock(msgspec.Struct, array_like=True):
+    """One block of a `PeerFetched`: status 200 with its bytes and their xxh3-64, which the
+    asker checks; 404, the owner cannot cache it (the asker reads the store itself); 502, the
+    store failed the owner (`data` holds the message)."""
+
+    status: int
+    data: bytes
+    xxh3: str = ""
+
+
+class PeerFetched(msgspec.Struct, tag="peer_fetched"):
+    """The owner's reply to a `PeerFetch`: a `PeerBlock` per group, in order."""
+
+    blocks: list[PeerBlock]
 
 
 class PeerWarm(msgspec.Struct, tag="peer_warm"):
