@@ -5,9 +5,9 @@ store, and the HTTP API that answers it (HTTPS with mutual TLS when the node has
 
     POST /v1/blocks  Authorization: Bearer TOKEN, body: msgpack `PeerFetch` (one block of one
                      object a group, up to PEER_BATCH_BLOCKS)
-      200  msgpack `PeerFetched`: per block its bytes and their xxh3-64, which the asker checks,
-           or 404 (the owner cannot cache it: the asker reads the store itself) or 502 (the
-           store failed the owner)
+      200  a frame per block as the owner has it (FRAME_HEADER): msgpack `PeerBlock`, its bytes
+           and their xxh3-64, which the asker checks, or 404 (the owner cannot cache it: the
+           asker reads the store itself) or 502 (the store failed the owner)
       400 malformed, 401 wrong token, 413 over MAX_REQUEST
     POST /v1/warm    body: msgpack `PeerWarm` (blocks the peer owns, for a cluster warmup)
       200  msgpack `Fetched`: once every block is cached there, known uncached, or failed
@@ -50,7 +50,7 @@ from gpufeed.cluster import poolboard
 from gpufeed.cluster.membership import HEARTBEAT_S, Membership
 from gpufeed.cluster.ownership import Node, owners
 from gpufeed.config import Settings, cluster_node_id, parse_addr
-from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant, PeerBlock, PeerFetch, PeerFetched, PeerWarm
+from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant, PeerBlock, PeerFetch, PeerWarm
 
 if TYPE_CHECKING:
     from gpufeed.agent.fetcher import Fetcher, Job
@@ -80,7 +80,10 @@ block, and is held whole in memory at both ends."""
 REQUESTS_PER_PEER = 8
 """Requests in flight to one peer; what queues meanwhile goes in the next."""
 _decoder = msgspec.msgpack.Decoder(PeerFetch)
-_fetched_peer_decoder = msgspec.msgpack.Decoder(PeerFetched)
+_block_decoder = msgspec.msgpack.Decoder(PeerBlock)
+FRAME_HEADER = 4
+"""A reply is a frame per block, in the order the owner has them: this many bytes of length
+(big-endian), then the msgpack `PeerBlock`."""
 _warm_decoder = msgspec.msgpack.Decoder(PeerWarm)
 _fetched_decoder = msgspec.msgpack.Decoder(Fetched)
 _encoder = msgspec.msgpack.Encoder()
@@ -284,19 +287,18 @@ class PeerBlocks:
 
     async def _send(self, node: Node, queue: OwnerQueue) -> None:
         """Send what is queued for `node`, a batch a request, until nothing is; every asker
-        gets an answer, None when the peer failed."""
+        gets an answer, None when the peer has not got the block or failed."""
         assert self.suspects is not None
         try:
             while queue.waiting:
                 batch = queue.take()
-                got: list[memoryview | None] = [None] * len(batch)
                 try:
                     if batch and node.id not in self.suspects:
-                        got = await self._request(node, batch)
+                        await self._request(node, batch)
                 finally:
-                    for (_, _, _, wanted), data in zip(batch, got, strict=True):
+                    for _, _, _, wanted in batch:
                         if not wanted.done():
-                            wanted.set_result(data)
+                            wanted.set_result(None)
         finally:
             queue.senders -= 1
             if not queue.senders:
@@ -305,7 +307,9 @@ class PeerBlocks:
                         wanted.set_result(None)
                 queue.waiting.clear()
 
-    async def _request(self, node: Node, batch: list[Wanted]) -> list[memoryview | None]:
+    async def _request(self, node: Node, batch: list[Wanted]) -> None:
+        """One request for the batch; each block is handed to its asker as it arrives (the owner
+        sends them in the order it has them), so none waits for the batch's slowest."""
         assert self.session is not None and self.suspects is not None
         groups = []
         for job, index, _, _ in batch:
@@ -313,37 +317,37 @@ class PeerBlocks:
             want = job.want
             groups.append(Group(job.group.source, [ObjectWant(want.info, want.check, want.block_size, [index])],
                                 job.group.credentials, job.group.mount))
-        nothing: list[memoryview | None] = [None] * len(batch)
         try:
             async with self.session.post(
                 f"{self.scheme}://{node.address}/v1/blocks", data=_encoder.encode(PeerFetch(groups)), headers=self.headers
             ) as response:
                 if response.status != 200:
                     self.suspects.mark(node, f"HTTP {response.status} {(await response.text())[:200]}")
-                    return nothing
-                reply = _fetched_peer_decoder.decode(await response.read())
-        except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    return
+                for _ in batch:
+                    size = int.from_bytes(await response.content.readexactly(FRAME_HEADER), "big")
+                    block = _block_decoder.decode(await response.content.readexactly(size))
+                    if not 0 <= block.number < len(batch):
+                        raise msgspec.ValidationError(f"block {block.number} of a request for {len(batch)}")
+                    job, index, length, wanted = batch[block.number]
+                    data = block.data
+                    if block.status == 404:
+                        got = None
+                    elif block.status != 200:
+                        self.suspects.mark(node, f"{block.status} {data[:200].decode(errors='replace')}")
+                        return
+                    elif len(data) != length or xxhash.xxh3_64_hexdigest(data) != block.xxh3:
+                        self.metrics.count("peer_corrupt")
+                        why = f"block {job.blocks.block(index).name} arrived damaged ({len(data)} of {length} bytes)"
+                        self.suspects.mark(node, why)
+                        return
+                    else:
+                        got = memoryview(data)
+                    if not wanted.done():
+                        wanted.set_result(got)
+        except (TimeoutError, aiohttp.ClientError, OSError, asyncio.IncompleteReadError, msgspec.DecodeError,
+                msgspec.ValidationError) as exc:
             self.suspects.mark(node, str(exc) or type(exc).__name__)
-            return nothing
-        if len(reply.blocks) != len(batch):
-            self.suspects.mark(node, f"answered {len(reply.blocks)} of {len(batch)} blocks")
-            return nothing
-        got: list[memoryview | None] = []
-        for (job, index, length, _), block in zip(batch, reply.blocks, strict=True):
-            data = block.data
-            if block.status == 404:
-                got.append(None)
-            elif block.status != 200:
-                self.suspects.mark(node, f"{block.status} {data[:200].decode(errors='replace')}")
-                got.append(None)
-            elif len(data) != length or xxhash.xxh3_64_hexdigest(data) != block.xxh3:
-                self.metrics.count("peer_corrupt")
-                self.suspects.mark(node, f"block {job.blocks.block(index).name} arrived damaged ({len(data)} of {length} bytes)")
-                got.append(None)
-            else:
-                got.append(memoryview(data))
-        return got
-
 
     async def warm(self, jobs: list[Job], here: Callable[[list[Job]], Awaitable[Fetched]]) -> Fetched:
         """Have each job's block cached by its first live owner, every owner at once; `here`
@@ -417,7 +421,7 @@ class PeerServer:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok") if self._allowed(request) else web.Response(status=401, text="wrong token")
 
-    async def blocks(self, request: web.Request) -> web.Response:
+    async def blocks(self, request: web.Request) -> web.StreamResponse:
         if not self._allowed(request):
             return web.Response(status=401, text="wrong token")
         try:
@@ -431,46 +435,47 @@ class PeerServer:
             raise
         except (msgspec.DecodeError, msgspec.ValidationError, errors.InvalidArgument) as exc:
             return web.Response(status=400, text=f"malformed block request: {exc}")
+        response = web.StreamResponse(headers={"Content-Type": "application/x-gpufeed-blocks"})
+        await response.prepare(request)
         mark = serving_peer.set(True)
         try:
-            statuses = await asyncio.gather(*(self._ensure(job) for job in jobs))
+            for ready in asyncio.as_completed([self._ensure(number, job) for number, job in enumerate(jobs)]):
+                number, status = await ready
+                frame, served = await asyncio.to_thread(self._frame, number, jobs[number], status)
+                await response.write(frame)
+                if served:
+                    self.metrics.count("peer_served")
+                    self.metrics.count("peer_served_bytes", served)
         finally:
             serving_peer.reset(mark)
-        body, served, served_bytes = await asyncio.to_thread(self._reply, jobs, statuses)
         self.metrics.count("peer_requests")
-        self.metrics.count("peer_served", served)
-        self.metrics.count("peer_served_bytes", served_bytes)
-        return web.Response(body=body, content_type="application/msgpack")
+        await response.write_eof()
+        return response
 
-    async def _ensure(self, job: Job) -> str:
-        """'ok', 'uncached', or why the store failed this node."""
+    async def _ensure(self, number: int, job: Job) -> tuple[int, str]:
+        """(number, 'ok' | 'uncached' | why the store failed this node)."""
         try:
             status, _ = await self.fetcher.ensure(job)
         except errors.GpufeedError as exc:
-            return f"error: {exc}"
-        return status
+            return number, f"error: {exc}"
+        return number, status
 
-    def _reply(self, jobs: list[Job], statuses: list[str]) -> tuple[bytes, int, int]:
-        """The encoded `PeerFetched`, blocks served and their bytes; off the event loop, as it
-        reads block files."""
-        blocks = []
-        served = served_bytes = 0
-        for job, status in zip(jobs, statuses, strict=True):
-            if status.startswith("error: "):
-                blocks.append(PeerBlock(502, status.removeprefix("error: ").encode()))
-                continue
+    def _frame(self, number: int, job: Job, status: str) -> tuple[bytes, int]:
+        """The block's frame of the reply, and the bytes of it served; off the event loop, as
+        it reads the block file."""
+        if status.startswith("error: "):
+            block = PeerBlock(number, 502, status.removeprefix("error: ").encode())
+        else:
             try:
                 if status != "ok":
                     raise FileNotFoundError
                 ref = BlockRef.of(self.dirs, job.blocks, True, self.files)
                 data = blockfile.read(ref, job.index, 0, job.blocks.length(job.index))
+                block = PeerBlock(number, 200, data, xxhash.xxh3_64_hexdigest(data))  # type: ignore[arg-type]
             except (FileNotFoundError, CorruptBlock):
-                blocks.append(PeerBlock(404, b""))
-                continue
-            blocks.append(PeerBlock(200, data, xxhash.xxh3_64_hexdigest(data)))  # type: ignore[arg-type]
-            served += 1
-            served_bytes += len(data)
-        return _encoder.encode(PeerFetched(blocks)), served, served_bytes
+                block = PeerBlock(number, 404, b"")
+        body = _encoder.encode(block)
+        return len(body).to_bytes(FRAME_HEADER, "big") + body, len(block.data) if block.status == 200 else 0
 
     async def warm(self, request: web.Request) -> web.Response:
         if not self._allowed(request):

@@ -292,19 +292,15 @@ class PeerFetch(msgspec.Struct, tag="peer_fetch"):
 
 
 class PeerBlock(msgspec.Struct, array_like=True):
-    """One block of a `PeerFetched`: status 200 with its bytes and their xxh3-64, which the
-    asker checks; 404, the owner cannot cache it (the asker reads the store itself); 502, the
-    store failed the owner (`data` holds the message)."""
+    """One block of the owner's reply to a `PeerFetch`, sent as soon as the owner has it: its
+    group's number in the request; status 200 with its bytes and their xxh3-64, which the asker
+    checks; 404, the owner cannot cache it (the asker reads the store itself); 502, the store
+    failed the owner (`data` holds the message)."""
 
+    number: int
     status: int
     data: bytes
     xxh3: str = ""
-
-
-class PeerFetched(msgspec.Struct, tag="peer_fetched"):
-    """The owner's reply to a `PeerFetch`: a `PeerBlock` per group, in order."""
-
-    blocks: list[PeerBlock]
 
 
 class PeerWarm(msgspec.Struct, tag="peer_warm"):
