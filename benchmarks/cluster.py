@@ -2,28 +2,33 @@
 cache cluster; then warm, from a cluster that `gpufeed warmup --cluster` filled first. Needs
 root (network namespaces).
 
-    python benchmarks/cluster.py [--nodes 1,2,3,4] [--files 320] [--size 262144]
-                                 [--link-mbit 200] [--store-mbps 25] [--latency-ms 20]
+    python benchmarks/cluster.py [--nodes 1,2,3,4] [--files 1280] [--size 65536]
+                                 [--link-mbit 50] [--store-mbps 25] [--latency-ms 20]
                                  [--ways alone,cluster,warm] [--workers 1] [--no-prefetch]
 
 Every node is a network namespace with its own agent and reader, joined to the host by a veth
 pair shaped with `tc tbf` (--link-mbit each way), so links, not this machine's two cores, are
-the limit. The store is nginx behind the project's shaper on the host's bridge address:
---latency-ms to the first byte, --store-mbps for all nodes together (one store's egress). Each
-node's reader reads every file once in its own shuffled order, 16 files per call (a batch's
-`__getitems__`), and hands that order to the agent ahead of reading, as `FeedSampler` does
-(`gpufeed.prefetch`); `--no-prefetch` reads one batch at a time with nothing ahead, the worst
-case. The cluster's Redis runs on the bridge too.
+the limit: at 200 Mbit the cores were 80-96 % busy with four nodes, hence 50 by default. The
+store is nginx behind the project's shaper on the host's bridge address: --latency-ms to the
+first byte, --store-mbps for all nodes together (one store's egress). Each node's reader reads
+every file once in its own shuffled order, 16 files per call (a batch's `__getitems__`), and
+hands that order to the agent ahead of reading, as `FeedSampler` does (`gpufeed.prefetch`);
+`--no-prefetch` reads one batch at a time with nothing ahead, the worst case. The cluster's
+Redis runs on the bridge too.
 
 Printed per N and way: the store's egress as a multiple of the dataset (from the agents' own
 counts of bytes read from the store), the slowest node's epoch time, the aggregate read
 throughput and its ratio to N times the one-node figure of the same way, each node's MB/s, and
-for the cluster the busiest node's peer traffic against the mean (load balance), and how busy
-the machine's CPUs were during the epoch (near 100 %: the cores, not the links, set the pace).
-For `warm`
-the one-node figure is a node reading its whole dataset from its own cache (everything local),
-and the cluster warmup's own time is printed beside it: each node's reads then cross its link
-for the (N-1)/N of the blocks that other nodes own.
+for the cluster the busiest node's peer traffic against the mean (load balance), how busy the
+machine's CPUs were during the epoch (near 100 %: the cores, not the links, set the pace), and
+the epoch against what the links and the store allow ("vs bound"): a node takes in the whole
+dataset over its link, cold (from the store or peers) and warm the (N-1)/N of it other nodes
+own, at the rate a plain HTTP download gets over one link while the other way carries one too
+(measured first, `plain_link_mbs`), and the store sends the dataset N times alone, once as a
+cluster. Linear scaling keeps that ratio as N grows. For `warm` the one-node figure is a node
+reading its whole dataset from its own cache (everything local), and the cluster warmup's own
+time is printed beside it: each node's reads then cross its link for the (N-1)/N of the blocks
+that other nodes own.
 """
 
 from __future__ import annotations
@@ -67,6 +72,51 @@ for batch in batches:
     total += sum(len(view) for view in client.read_files(batch))
 print(total, time.monotonic() - began)
 """
+
+
+DOWNLOAD = """
+import sys, time, urllib.request
+for _ in range(200):
+    try:
+        response = urllib.request.urlopen(sys.argv[1])
+        break
+    except OSError:
+        time.sleep(0.05)
+began, got = time.monotonic(), 0
+while chunk := response.read(1 << 20):
+    got += len(chunk)
+print(got / (time.monotonic() - began) / 1e6)
+"""
+LINK_BYTES = 32 << 20
+
+
+def plain_link_mbs(link_mbit: float, work: Path) -> float:
+    """MB/s of a plain HTTP download (Python's http.server, urllib) over one shaped link while
+    the other way carries another (the mean of the two): the baseline the rows' bounds are
+    computed from."""
+    served = work / "link"
+    served.mkdir()
+    (served / "blob").write_bytes(os.urandom(LINK_BYTES))
+    with ExitStack() as stack, bridged_hosts(2, link_mbit) as (_, hosts):
+        for host in hosts:
+            server = subprocess.Popen(host.command([sys.executable, "-m", "http.server", "8000", "--bind", host.address,
+                                                    "-d", str(served)]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stack.callback(server.wait, 10)
+            stack.callback(server.terminate)
+        downloads = [subprocess.Popen(host.command([sys.executable, "-c", DOWNLOAD, f"http://{other.address}:8000/blob"]),
+                                      stdout=subprocess.PIPE, text=True) for host, other in zip(hosts, hosts[::-1], strict=True)]
+        rates = [float(download.communicate(timeout=600)[0]) for download in downloads]
+        return sum(rates) / len(rates)
+
+
+def bound_s(way: str, count: int, dataset: float, link_mbs: float, store_mbs: float, local_mbs: float | None) -> float:
+    """The shortest epoch the links and the store allow a node (seconds); warm, its own share
+    read at `local_mbs` (the one-node warm row's rate; left out when that row was not run)."""
+    if way == "warm":
+        local_s = dataset / count / (local_mbs * 1e6) if local_mbs else 0.0
+        return dataset * (count - 1) / count / (link_mbs * 1e6) + local_s
+    copies = count if way == "alone" else 1
+    return max(dataset / (link_mbs * 1e6), copies * dataset / (store_mbs * 1e6))
 
 
 def node_metric(host: Host, cache: Path, pattern: str) -> float | None:
@@ -171,9 +221,10 @@ def run(count: int, way: str, args: argparse.Namespace, store_url: str, work: Pa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="1,2,3,4")
-    parser.add_argument("--files", type=int, default=320)
-    parser.add_argument("--size", type=int, default=256 << 10)
-    parser.add_argument("--link-mbit", type=float, default=200)
+    parser.add_argument("--files", type=int, default=1280,
+                        help="one block each: the busiest owner's share narrows with the square root of the blocks")
+    parser.add_argument("--size", type=int, default=64 << 10)
+    parser.add_argument("--link-mbit", type=float, default=50)
     parser.add_argument("--store-mbps", type=float, default=25)
     parser.add_argument("--latency-ms", type=float, default=20)
     parser.add_argument("--ways", default="alone,cluster,warm")
@@ -190,26 +241,32 @@ def main() -> None:
         data.mkdir(parents=True)
         for i in range(args.files):
             (data / f"{i:05d}.bin").write_bytes(os.urandom(args.size))
+        link_mbs = plain_link_mbs(args.link_mbit, work)
         with serving(work / "www", work / "server") as store_url:
-            mib = args.files * args.size / 2**20
-            print(f"{args.files} files of {args.size:,} B ({mib:.0f} MiB); store {args.latency_ms:g} ms, "
-                  f"{args.store_mbps:g} MB/s for all; each node's link {args.link_mbit:g} Mbit/s; "
+            dataset = args.files * args.size
+            print(f"{args.files} files of {args.size:,} B ({dataset / 2**20:.0f} MiB); store {args.latency_ms:g} ms, "
+                  f"{args.store_mbps:g} MB/s for all; each node's link {args.link_mbit:g} Mbit/s "
+                  f"(a plain HTTP download over it, both ways at once: {link_mbs:.2f} MB/s); "
                   f"{args.workers} reader(s) a node, "
                   f"{'order handed ahead (prefetch)' if args.prefetch else 'one batch at a time'}")
             print(f"{'N':>2} {'way':8} {'store egress':>13} {'slowest s':>10} {'aggregate MB/s':>15} {'vs N x 1 node':>14} "
-                  f"{'load max/mean':>14} {'CPU busy':>9}  per node MB/s")
+                  f"{'vs bound':>9} {'load max/mean':>14} {'CPU busy':>9}  per node MB/s")
             single: dict[str, float] = {}
+            local_mbs: float | None = None
             for count in (int(n) for n in args.nodes.split(",")):
                 for way in args.ways.split(","):
                     result = run(count, way, args, store_url, work)
                     aggregate = float(result["aggregate_mbs"])  # type: ignore[arg-type]
                     single.setdefault(way, aggregate / count)
+                    local_mbs = aggregate if count == 1 and way == "warm" else local_mbs
+                    bound = bound_s(way, count, dataset, link_mbs, args.store_mbps, local_mbs)
                     nodes = " ".join(f"{mbs:.1f}" for mbs in result["node_mbs"])  # type: ignore[union-attr]
                     load = f"{result['load']:.2f}" if way != "alone" and count > 1 else "-"
                     warmed = f"  (cluster warmup {result['warmup_s']:.2f} s)" if way == "warm" else ""
+                    slowest = float(result["slowest_s"])  # type: ignore[arg-type]
                     print(f"{count:>2} {way:8} {result['egress']:>12.2f}x "
-                          f"{result['slowest_s']:>10.2f} {aggregate:>15.1f} {aggregate / (count * single[way]):>13.2f}x "
-                          f"{load:>14} {result['cpu']:>8.0%}  {nodes}{warmed}", flush=True)
+                          f"{slowest:>10.2f} {aggregate:>15.1f} {aggregate / (count * single[way]):>13.2f}x "
+                          f"{bound / slowest:>8.2f}x {load:>14} {result['cpu']:>8.0%}  {nodes}{warmed}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
