@@ -75,8 +75,8 @@ suspect and this node fetches that batch itself."""
 PROBE_S = 1.0
 PEER_BATCH_BLOCKS = 16
 PEER_BATCH_BYTES = 4 << 20
-"""A request to a peer carries at most this many blocks and bytes: a reply waits for its slowest
-block, and is held whole in memory at both ends."""
+"""A request to a peer carries at most this many blocks and bytes: the owner fetches a request's
+blocks all at once, and a batch's later blocks arrive behind its earlier ones on one connection."""
 REQUESTS_PER_PEER = 8
 """Requests in flight to one peer; what queues meanwhile goes in the next."""
 _decoder = msgspec.msgpack.Decoder(PeerFetch)
