@@ -30,7 +30,7 @@ Coverage = Callable[[], dict[str, tuple[int, int]]]
 
 
 class Cluster(Protocol):
-    """The cache cluster this agent is a member of (`gpufeed.agent.peers.ClusterNode`), as far
+    """The cache cluster this agent is a member of (`gpufeed.agent.cluster_node.ClusterNode`), as far
     as the dashboard needs it."""
 
     async def pools(self) -> list[dict[str, Any]]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-import hmac
 import logging
 import os
 import socket
@@ -38,22 +37,15 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import msgspec
 import xxhash
-from aiohttp import web
-from redis.exceptions import RedisError
 
 from gpufeed import errors
-from gpufeed.blocks import CorruptBlock
-from gpufeed.cache import blockfile
-from gpufeed.cache.layout import BlockRef
-from gpufeed.cache.openfiles import OpenBlocks
-from gpufeed.cluster import poolboard
-from gpufeed.cluster.membership import HEARTBEAT_S, Membership
+from gpufeed.cluster.membership import Membership
 from gpufeed.cluster.ownership import Node, owners
-from gpufeed.config import Settings, cluster_node_id, parse_addr
+from gpufeed.config import Settings
 from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant, PeerBlock, PeerFetch, PeerWarm
 
 if TYPE_CHECKING:
-    from gpufeed.agent.fetcher import Fetcher, Job
+    from gpufeed.agent.fetcher import Job
     from gpufeed.agent.metrics import Metrics
 
 log = logging.getLogger("gpufeed.agent")
@@ -79,14 +71,12 @@ PEER_BATCH_BYTES = 4 << 20
 blocks all at once, and a batch's later blocks arrive behind its earlier ones on one connection."""
 REQUESTS_PER_PEER = 8
 """Requests in flight to one peer; what queues meanwhile goes in the next."""
-_decoder = msgspec.msgpack.Decoder(PeerFetch)
 _block_decoder = msgspec.msgpack.Decoder(PeerBlock)
 FRAME_HEADER = 4
 """A reply is a frame per block, in the order the owner has them: this many bytes of length
 (big-endian), then the msgpack `PeerBlock`."""
-_warm_decoder = msgspec.msgpack.Decoder(PeerWarm)
 _fetched_decoder = msgspec.msgpack.Decoder(Fetched)
-_encoder = msgspec.msgpack.Encoder()
+encoder = msgspec.msgpack.Encoder()
 
 serving_peer: contextvars.ContextVar[bool] = contextvars.ContextVar("serving_peer", default=False)
 """Set while the agent fetches for a peer: such a fetch goes to the store, never to a third node."""
@@ -319,7 +309,7 @@ class PeerBlocks:
                                 job.group.credentials, job.group.mount))
         try:
             async with self.session.post(
-                f"{self.scheme}://{node.address}/v1/blocks", data=_encoder.encode(PeerFetch(groups)), headers=self.headers
+                f"{self.scheme}://{node.address}/v1/blocks", data=encoder.encode(PeerFetch(groups)), headers=self.headers
             ) as response:
                 if response.status != 200:
                     self.suspects.mark(node, f"HTTP {response.status} {(await response.text())[:200]}")
@@ -382,7 +372,7 @@ class PeerBlocks:
             groups.append(Group(first.group.source, [wanted], first.group.credentials, first.group.mount))
         try:
             async with self.session.post(
-                f"{self.scheme}://{node.address}/v1/warm", data=_encoder.encode(PeerWarm(groups)), headers=self.headers,
+                f"{self.scheme}://{node.address}/v1/warm", data=encoder.encode(PeerWarm(groups)), headers=self.headers,
                 timeout=aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S, sock_read=WARM_TIMEOUT_S),
             ) as response:
                 if response.status != 200:
@@ -397,166 +387,3 @@ class PeerBlocks:
             [Failure(f.code, f.message, None if f.object is None else numbers[f.object]) for f in reply.failures],
             reply.fetched,
         )
-
-
-class PeerServer:
-    """The peer HTTP API of this node."""
-
-    def __init__(self, fetcher: Fetcher, dirs: tuple[Path, ...], token: str, metrics: Metrics,
-                 tls: ssl.SSLContext | None = None) -> None:
-        self.fetcher = fetcher
-        self.tls = tls
-        self.dirs = dirs
-        self.expected = f"Bearer {token}".encode()
-        self.metrics = metrics
-        self.files = OpenBlocks(dirs[0], 0)
-        self._runner: web.AppRunner | None = None
-
-    def _allowed(self, request: web.Request) -> bool:
-        if hmac.compare_digest(request.headers.get("Authorization", "").encode(), self.expected):
-            return True
-        log.warning("peer request from %s refused: wrong or missing cluster token", request.remote)
-        return False
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok") if self._allowed(request) else web.Response(status=401, text="wrong token")
-
-    async def blocks(self, request: web.Request) -> web.StreamResponse:
-        if not self._allowed(request):
-            return web.Response(status=401, text="wrong token")
-        try:
-            groups = _decoder.decode(await request.read()).groups
-            if not 0 < len(groups) <= PEER_BATCH_BLOCKS:
-                raise errors.InvalidArgument(f"{len(groups)} blocks: a request names 1 to {PEER_BATCH_BLOCKS}")
-            if any(len(group.objects) != 1 or len(group.objects[0].blocks) != 1 for group in groups):
-                raise errors.InvalidArgument("a group names exactly one block of one object")
-            jobs = self.fetcher.jobs(groups)
-        except web.HTTPRequestEntityTooLarge:
-            raise
-        except (msgspec.DecodeError, msgspec.ValidationError, errors.InvalidArgument) as exc:
-            return web.Response(status=400, text=f"malformed block request: {exc}")
-        response = web.StreamResponse(headers={"Content-Type": "application/x-gpufeed-blocks"})
-        await response.prepare(request)
-        mark = serving_peer.set(True)
-        try:
-            for ready in asyncio.as_completed([self._ensure(number, job) for number, job in enumerate(jobs)]):
-                number, status = await ready
-                frame, served = await asyncio.to_thread(self._frame, number, jobs[number], status)
-                await response.write(frame)
-                if served:
-                    self.metrics.count("peer_served")
-                    self.metrics.count("peer_served_bytes", served)
-        finally:
-            serving_peer.reset(mark)
-        self.metrics.count("peer_requests")
-        await response.write_eof()
-        return response
-
-    async def _ensure(self, number: int, job: Job) -> tuple[int, str]:
-        """(number, 'ok' | 'uncached' | why the store failed this node)."""
-        try:
-            status, _ = await self.fetcher.ensure(job)
-        except errors.GpufeedError as exc:
-            return number, f"error: {exc}"
-        return number, status
-
-    def _frame(self, number: int, job: Job, status: str) -> tuple[bytes, int]:
-        """The block's frame of the reply, and the bytes of it served; off the event loop, as
-        it reads the block file."""
-        if status.startswith("error: "):
-            block = PeerBlock(number, 502, status.removeprefix("error: ").encode())
-        else:
-            try:
-                if status != "ok":
-                    raise FileNotFoundError
-                ref = BlockRef.of(self.dirs, job.blocks, True, self.files)
-                data = blockfile.read(ref, job.index, 0, job.blocks.length(job.index))
-                block = PeerBlock(number, 200, data, xxhash.xxh3_64_hexdigest(data))  # type: ignore[arg-type]
-            except (FileNotFoundError, CorruptBlock):
-                block = PeerBlock(number, 404, b"")
-        body = _encoder.encode(block)
-        return len(body).to_bytes(FRAME_HEADER, "big") + body, len(block.data) if block.status == 200 else 0
-
-    async def warm(self, request: web.Request) -> web.Response:
-        if not self._allowed(request):
-            return web.Response(status=401, text="wrong token")
-        try:
-            jobs = self.fetcher.jobs(_warm_decoder.decode(await request.read()).groups)
-        except web.HTTPRequestEntityTooLarge:
-            raise
-        except (msgspec.DecodeError, msgspec.ValidationError, errors.InvalidArgument) as exc:
-            return web.Response(status=400, text=f"malformed warm request: {exc}")
-        mark = serving_peer.set(True)
-        try:
-            reply = await self.fetcher.fetch_jobs(jobs)
-        finally:
-            serving_peer.reset(mark)
-        return web.Response(body=_encoder.encode(reply), content_type="application/msgpack")
-
-    async def start(self, host: str, port: int) -> None:
-        app = web.Application(client_max_size=MAX_REQUEST)
-        app.router.add_post("/v1/blocks", self.blocks)
-        app.router.add_post("/v1/warm", self.warm)
-        app.router.add_get("/v1/health", self.health)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, ssl_context=self.tls).start()
-        log.info("peer API on %s:%d (%s)", host, port, "mutual TLS" if self.tls else "plain HTTP")
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-
-class ClusterNode:
-    """This agent as a member of a cache cluster: its registration and heartbeat, its peers as
-    the first source of blocks, and its peer API."""
-
-    def __init__(self, settings: Settings, fetcher: Fetcher, dirs: tuple[Path, ...], metrics: Metrics,
-                 capacity: int, stats: Callable[[], dict[str, Any]]) -> None:
-        if not settings.peer_addr:
-            raise errors.InvalidArgument("a cluster member needs --peer-addr HOST:PORT (GPUFEED_PEER_ADDR) for its peer API")
-        if settings.replicas < 1:
-            raise errors.InvalidArgument(f"--replicas {settings.replicas}: must be at least 1")
-        token = load_token()
-        advertise = settings.advertise or settings.peer_addr
-        host, port = parse_addr(advertise, "--advertise")
-        if host in ("0.0.0.0", "::"):
-            raise errors.InvalidArgument(f"--advertise {advertise}: give an address the other nodes can reach")
-        self.bind = parse_addr(settings.peer_addr, "--peer-addr")
-        me = Node(cluster_node_id(settings), f"{host}:{port}", settings.node_weight, capacity)
-        self.membership = Membership(settings.cluster, me, stats)
-        tls = peer_tls(settings)
-        self.blocks = PeerBlocks(self.membership, settings.replicas, token, metrics, tls[1] if tls else None)
-        self.server = PeerServer(fetcher, dirs, token, metrics, tls[0] if tls else None)
-        fetcher.chain.insert(0, self.blocks)
-        self._beating: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        try:
-            await self.server.start(*self.bind)
-        except OSError as exc:
-            raise errors.GpufeedError(f"--peer-addr {self.bind[0]}:{self.bind[1]}: {exc.strerror or exc}") from None
-        self.blocks.start()
-        try:
-            await self.membership.join()
-        except (RedisError, OSError) as exc:
-            await self.stop()
-            raise errors.GpufeedError(f"cluster {self.membership.where}: {exc}") from None
-        self._beating = asyncio.create_task(self._beat())
-
-    async def _beat(self) -> None:
-        while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            await self.membership.beat()
-
-    async def pools(self) -> list[dict[str, Any]]:
-        """The GPU pools' status boards in this cluster's Redis, for the dashboard (/pool.json)."""
-        return await poolboard.read(self.membership.redis)
-
-    async def stop(self) -> None:
-        if self._beating is not None:
-            self._beating.cancel()
-            await self.membership.leave()
-        await self.server.stop()
-        await self.blocks.close()

@@ -65,7 +65,7 @@ from gpufeed.rpc.messages import (
 from gpufeed.rpc.messages import Metrics as MetricsRequest
 
 if TYPE_CHECKING:
-    from gpufeed.agent.peers import ClusterNode
+    from gpufeed.agent.cluster_node import ClusterNode
 
 log = logging.getLogger("gpufeed.agent")
 
@@ -120,7 +120,7 @@ class Agent:
         self._stop: asyncio.Event | None = None
         self.cluster: ClusterNode | None = None
         if settings.cluster:
-            from gpufeed.agent.peers import ClusterNode  # aiohttp and redis: only a cluster member loads them
+            from gpufeed.agent.cluster_node import ClusterNode  # aiohttp and redis: only a cluster member loads them
 
             self.cluster = ClusterNode(
                 settings, self.fetcher, config.dirs, self.metrics, self.manager.limit(), self._cluster_stats
