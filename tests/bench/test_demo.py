@@ -13,10 +13,11 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 
+from gpufeed.bench import loader
 from gpufeed.bench.demo import demo_workload
 from gpufeed.bench.runner import OWNER, scratch_dir
 from tests.bench.helpers import gpufeed, one_error_line
@@ -193,3 +194,22 @@ def test_a_killed_runs_scratch_dir_is_swept_by_the_next(tmp_path: Path, monkeypa
         assert not (tmp_path / "gpufeed-bench-killed").exists()
         assert (tmp_path / "gpufeed-bench-running").exists()
     assert not mine.exists()
+
+
+def _sigint_ignored(answers: Any) -> None:
+    answers.put(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+
+
+def test_a_loader_worker_ignores_ctrl_c_from_its_start() -> None:
+    """A Ctrl-C while multiprocessing is still starting a worker must not print its traceback:
+    the worker ignores SIGINT before its own code runs; the parent handles it."""
+    context = loader._context()
+    answers = context.Queue()
+    worker = context.Process(target=_sigint_ignored, args=(answers,))
+    worker.start()
+    try:
+        assert answers.get(timeout=60) is True
+    finally:
+        worker.join(timeout=30)
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN, "the benchmark process keeps its own Ctrl-C"
+

@@ -62,7 +62,8 @@ def _context() -> ForkServerContext | SpawnContext:
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(
-            [__name__, "gpufeed.cli.main", "gpufeed.client.reader", "gpufeed.sources.stores", "gpufeed.sources.http"]
+            ["gpufeed.bench.worker_signals", __name__, "gpufeed.cli.main", "gpufeed.client.reader",
+             "gpufeed.sources.stores", "gpufeed.sources.http"]
         )
         return context
     return multiprocessing.get_context("spawn")
@@ -74,7 +75,7 @@ def _work(
     """Worker main: read each assigned batch with one `read_batch`, as PyTorch's fetcher calls
     a dataset's `__getitems__`; a sample's latency is the batch's read time (its samples are
     read together, so each is ready when the batch is)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us (spawn; forkserver: worker_signals)
     try:
         reader = spec.open(dataset.max_record)
     except Exception as exc:  # reported to the parent, which raises it with context
