@@ -16,6 +16,7 @@ import queue
 import signal
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
 from multiprocessing.context import ForkServerContext, SpawnContext
@@ -67,6 +68,17 @@ def _context() -> ForkServerContext | SpawnContext:
         )
         return context
     return multiprocessing.get_context("spawn")
+
+
+@contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM until the block ends: one that arrived while multiprocessing was
+    starting a worker left a child nobody knew to stop, holding the terminal's stderr."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _work(
@@ -139,9 +151,10 @@ class DataLoader:
                     name=f"gpufeed-bench-worker-{worker}",
                     daemon=True,
                 )
-                process.start()
-                self._tasks.append(tasks)
-                self._processes.append(process)
+                with _interrupts_deferred():  # a worker started is a worker close() can stop
+                    process.start()
+                    self._tasks.append(tasks)
+                    self._processes.append(process)
         except BaseException:
             self.close(graceful=False)
             raise
