@@ -6,6 +6,7 @@ blocks; the peer API refuses a wrong token, garbage and oversized requests."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import http.client
 import json
@@ -23,6 +24,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from gpufeed.agent.peers import PEER_BATCH_BLOCKS, PEER_BATCH_BYTES, REQUESTS_PER_PEER, OwnerQueue
 from gpufeed.bench.children import free_port
 from gpufeed.client.connection import AgentClient
 from gpufeed.cluster.membership import status
@@ -120,6 +122,26 @@ def test_blocks_wanted_from_one_owner_at_once_go_in_few_requests(
     blocks, requests = (after - before for after, before in zip(served(), (blocks_before, requests_before), strict=True))
     assert blocks >= FILES / 3, "node1 and node2 served node0 the blocks they own"
     assert requests <= blocks / 4, f"{requests:.0f} requests for {blocks:.0f} blocks"
+
+
+def test_requests_past_the_first_two_to_a_peer_wait_for_a_full_batch() -> None:
+    """Two requests to an owner go with whatever is queued; more only carry full batches (by
+    count, or by bytes for big blocks), up to REQUESTS_PER_PEER."""
+    queue = OwnerQueue()
+
+    def want(length: int = 64 << 10) -> bool:
+        go = queue.add((None, 0, length, concurrent.futures.Future()))  # type: ignore[arg-type]
+        queue.senders += go
+        return go
+
+    assert want() and want(), "the first two go at once"
+    assert not any(want() for _ in range(PEER_BATCH_BLOCKS - 3))
+    assert want(), "a full batch is waiting"
+    queue.take()
+    assert not want(), "a part batch waits for a sender"
+    assert want(PEER_BATCH_BYTES), "a batch full by bytes goes too"
+    queue.senders = REQUESTS_PER_PEER
+    assert not want(PEER_BATCH_BYTES), "never more than REQUESTS_PER_PEER"
 
 
 def test_an_object_checked_whole_is_fetched_once_by_its_owner_and_passed_block_by_block(
