@@ -2,7 +2,7 @@
 cache cluster; then warm, from a cluster that `gpufeed warmup --cluster` filled first. Needs
 root (network namespaces).
 
-    python benchmarks/cluster.py [--nodes 1,2,3,4] [--files 1280] [--size 65536]
+    python benchmarks/cluster.py [--nodes 1,2,3,4] [--files 2560] [--size 65536]
                                  [--link-mbit 50] [--store-mbps 25] [--latency-ms 20]
                                  [--ways alone,cluster,warm] [--workers 1] [--no-prefetch]
 
@@ -10,7 +10,10 @@ Every node is a network namespace with its own agent and reader, joined to the h
 pair shaped with `tc tbf` (--link-mbit each way), so links, not this machine's two cores, are
 the limit: at 200 Mbit the cores were 80-96 % busy with four nodes, hence 50 by default. The
 store is nginx behind the project's shaper on the host's bridge address: --latency-ms to the
-first byte, --store-mbps for all nodes together (one store's egress). Each node's reader reads
+first byte, --store-mbps for all nodes together (one store's egress). 160 MiB by default: an
+epoch of about 30 s cold and 20-25 s warm, so a reader's start (about half a second before its
+links are full) and hashing's spread of blocks over owners weigh what they would in a real
+epoch of many more blocks, not a tenth of it. Each node's reader reads
 every file once in its own shuffled order, 16 files per call (a batch's `__getitems__`), and
 hands that order to the agent ahead of reading, as `FeedSampler` does (`gpufeed.prefetch`);
 `--no-prefetch` reads one batch at a time with nothing ahead, the worst case. The cluster's
@@ -21,10 +24,12 @@ counts of bytes read from the store), the slowest node's epoch time, the aggrega
 throughput and its ratio to N times the one-node figure of the same way, each node's MB/s, and
 for the cluster the busiest node's peer traffic against the mean (load balance), how busy the
 machine's CPUs were during the epoch (near 100 %: the cores, not the links, set the pace), and
-the epoch against what the links and the store allow ("vs bound"): a node takes in the whole
-dataset over its link, cold (from the store or peers) and warm the (N-1)/N of it other nodes
-own, at the rate a plain HTTP download gets over one link while the other way carries one too
-(measured first, `plain_link_mbs`), and the store sends the dataset N times alone, once as a
+the epoch against what the links and the store allow ("vs bound"): the busiest link, either way,
+carries what the agents counted over it (bytes from the store and from peers in, to peers out:
+cold, the whole dataset in; warm, the (N-1)/N of it that other nodes own in, and the node's own
+share times N-1 out, so a node that owns more than its share sets the pace), at the rate a
+plain HTTP download gets over one link while the other way carries one too (measured first,
+`plain_link_mbs`), and the store sends the dataset N times alone, once as a
 cluster. Linear scaling keeps that ratio as N grows. For `warm` the one-node figure is a node
 reading its whole dataset from its own cache (everything local), and the cluster warmup's own
 time is printed beside it: each node's reads then cross its link for the (N-1)/N of the blocks
@@ -109,24 +114,38 @@ def plain_link_mbs(link_mbit: float, work: Path) -> float:
         return sum(rates) / len(rates)
 
 
-def bound_s(way: str, count: int, dataset: float, link_mbs: float, store_mbs: float, local_mbs: float | None) -> float:
-    """The shortest epoch the links and the store allow a node (seconds); warm, its own share
-    read at `local_mbs` (the one-node warm row's rate; left out when that row was not run)."""
+def bound_s(way: str, count: int, dataset: float, busiest_link: float, link_mbs: float, store_mbs: float,
+            local_mbs: float | None) -> float:
+    """The shortest epoch the links and the store allow a node (seconds): the busiest link's
+    bytes, either way, at `link_mbs`; warm, plus its own share read at `local_mbs` (the one-node
+    warm row's rate; left out when that row was not run)."""
     if way == "warm":
         local_s = dataset / count / (local_mbs * 1e6) if local_mbs else 0.0
-        return dataset * (count - 1) / count / (link_mbs * 1e6) + local_s
+        return busiest_link / (link_mbs * 1e6) + local_s
     copies = count if way == "alone" else 1
-    return max(dataset / (link_mbs * 1e6), copies * dataset / (store_mbs * 1e6))
+    return max(busiest_link / (link_mbs * 1e6), copies * dataset / (store_mbs * 1e6))
 
 
-def node_metric(host: Host, cache: Path, pattern: str) -> float | None:
-    """The sum of the node agent's samples matching `pattern`; None while no agent answers."""
+def node_metrics(host: Host, cache: Path, *patterns: str) -> list[float] | None:
+    """For each pattern, the sum of the node agent's samples matching it; None while no agent answers."""
     env = {**os.environ, "GPUFEED_CACHE_DIRS": str(cache)}
     done = subprocess.run(host.command([sys.executable, "-m", "gpufeed", "metrics"]), env=env, capture_output=True,
                           text=True, timeout=60)
     if done.returncode != 0:
         return None
-    return sum(float(value) for value in re.findall(rf"^{pattern} (\S+)$", done.stdout, re.M))
+    return [sum(float(value) for value in re.findall(rf"^{pattern} (\S+)$", done.stdout, re.M)) for pattern in patterns]
+
+
+def link_counts(nodes: list[tuple[Host, Path]]) -> list[tuple[float, float, float]]:
+    """Per node, as its agent counted them so far: bytes read from the store, bytes read from
+    peers, and bytes served to peers."""
+    counts = []
+    for host, cache in nodes:
+        got = node_metrics(host, cache, r'gpufeed_miss_bytes_total\{mount="/data",tier="store"\}',
+                           r'gpufeed_miss_bytes_total\{mount="/data",tier="peer"\}', "gpufeed_peer_served_bytes_total")
+        store, peers, served = got or (0.0, 0.0, 0.0)
+        counts.append((store, peers, served))
+    return counts
 
 
 def cpu_times() -> tuple[float, float]:
@@ -170,7 +189,7 @@ def run(count: int, way: str, args: argparse.Namespace, store_url: str, work: Pa
             agents.append(agent)
         deadline = time.monotonic() + 60
         for host, cache in zip(hosts, caches, strict=True):
-            while node_metric(host, cache, "gpufeed_cluster_members") != (count if clustered else 0):
+            while node_metrics(host, cache, "gpufeed_cluster_members") != [count if clustered else 0]:
                 if time.monotonic() > deadline:
                     raise SystemExit(f"{host.name}'s agent did not come up: see {work}")
                 time.sleep(0.2)
@@ -183,6 +202,8 @@ def run(count: int, way: str, args: argparse.Namespace, store_url: str, work: Pa
             if warmup.returncode != 0:
                 raise SystemExit(f"the cluster warmup failed: {warmup.stderr.strip()}")
             warmup_s = time.monotonic() - began
+        pairs = list(zip(hosts, caches, strict=True))
+        before = link_counts(pairs)
         busy_before, total_before = cpu_times()
         readers = [
             [subprocess.Popen(host.command([sys.executable, "-c", READER, str(args.files), str(i), str(w), str(args.workers),
@@ -203,16 +224,17 @@ def run(count: int, way: str, args: argparse.Namespace, store_url: str, work: Pa
             assert total == args.files * args.size
             seconds.append(took)
         busy_after, total_after = cpu_times()
-        pairs = list(zip(hosts, caches, strict=True))
-        store = sum(node_metric(h, c, r'gpufeed_miss_bytes_total\{mount="/data",tier="store"\}') or 0.0 for h, c in pairs)
-        served = [node_metric(h, c, "gpufeed_peer_served_bytes_total") or 0.0 for h, c in pairs]
+        counts = link_counts(pairs)
+        epoch = [[now - then for now, then in zip(*node, strict=True)] for node in zip(counts, before, strict=True)]
+        served = [out for _, _, out in epoch]
     dataset = args.files * args.size
     return {
-        "egress": store / dataset,
+        "egress": sum(store for store, _, _ in counts) / dataset,  # a warm row's includes its warmup
+        "busiest_link": max(max(store + peers, out) for store, peers, out in epoch),
         "slowest_s": max(seconds),
         "aggregate_mbs": count * dataset / max(seconds) / 1e6,
         "node_mbs": [dataset / s / 1e6 for s in seconds],
-        "load": max(served) / (sum(served) / len(served)) if clustered and sum(served) else 0.0,
+        "load": max(served) / (sum(served) / len(served)) if clustered and sum(served) > 0 else 0.0,
         "warmup_s": warmup_s,
         "cpu": (busy_after - busy_before) / max(total_after - total_before, 1.0),
     }
@@ -221,7 +243,7 @@ def run(count: int, way: str, args: argparse.Namespace, store_url: str, work: Pa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="1,2,3,4")
-    parser.add_argument("--files", type=int, default=1280,
+    parser.add_argument("--files", type=int, default=2560,
                         help="one block each: the busiest owner's share narrows with the square root of the blocks")
     parser.add_argument("--size", type=int, default=64 << 10)
     parser.add_argument("--link-mbit", type=float, default=50)
@@ -259,7 +281,7 @@ def main() -> None:
                     aggregate = float(result["aggregate_mbs"])  # type: ignore[arg-type]
                     single.setdefault(way, aggregate / count)
                     local_mbs = aggregate if count == 1 and way == "warm" else local_mbs
-                    bound = bound_s(way, count, dataset, link_mbs, args.store_mbps, local_mbs)
+                    bound = bound_s(way, count, dataset, float(result["busiest_link"]), link_mbs, args.store_mbps, local_mbs)  # type: ignore[arg-type]
                     nodes = " ".join(f"{mbs:.1f}" for mbs in result["node_mbs"])  # type: ignore[union-attr]
                     load = f"{result['load']:.2f}" if way != "alone" and count > 1 else "-"
                     warmed = f"  (cluster warmup {result['warmup_s']:.2f} s)" if way == "warm" else ""
