@@ -163,6 +163,7 @@ def run(count: int, way: str, args: argparse.Namespace, store_url: str, work: Pa
         port = stack.enter_context(shaping((upstream.hostname or "127.0.0.1", upstream.port or 80), args.latency_ms,
                                            args.store_mbps, work / "shaper.log", bridge))
         home = work / f"home-{count}-{way}"
+        stack.callback(shutil.rmtree, home, True)  # last, once the agents stopped: rows must not fill the disk
         os.environ["GPUFEED_HOME"] = str(home)
         Namespace().add_mount("/data", f"http://{bridge}:{port}/data")
         redis_port = free_port()
