@@ -1,7 +1,7 @@
 """Separate hosts on one machine, for the cluster's tests and benchmark: network namespaces,
 each joined to a bridge on the host by a veth pair (optionally shaped with `tc tbf`, so that
-links, not this machine's cores, are the limit, `shaped_link`). Only addresses in a subnet of its own are used;
-everything is removed after. Needs root."""
+links, not this machine's cores, are the limit: `shaped_link`). Only addresses in a subnet of
+its own are used; everything is removed after. Needs root."""
 
 from __future__ import annotations
 
