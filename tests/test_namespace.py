@@ -21,7 +21,8 @@ from gpufeed.errors import (
     SourceUnreachable,
 )
 from gpufeed.mount_options import parse_options
-from gpufeed.namespace import Namespace, normalize
+from gpufeed.namespace import Namespace
+from gpufeed.paths import normalize
 from tests.conftest import Bucket
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from gpufeed import logs
     from gpufeed.client import Client, FeedFile, FeedWriter
     from gpufeed.errors import GpufeedError
-    from gpufeed.namespace import FileStat
+    from gpufeed.paths import FileStat
 else:
 
     def overload(function: object) -> object:  # typing's, without importing typing at run time

@@ -12,7 +12,8 @@ from gpufeed.blocks import object_blocks, overlap
 from gpufeed.cache.layout import block_path
 from gpufeed.config import Settings
 from gpufeed.mount_options import CachePolicy, source_options
-from gpufeed.namespace import FileStat, Namespace
+from gpufeed.namespace import Namespace
+from gpufeed.paths import FileStat
 
 
 def cached_bytes(namespace: Namespace, settings: Settings, dirs: tuple[Path, ...], path: str) -> Iterator[tuple[FileStat, int]]:

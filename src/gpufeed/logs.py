@@ -56,7 +56,7 @@ import gpufeed
 from gpufeed.config import Settings, cluster_node_id
 from gpufeed.errors import InvalidArgument, IsADirectory, PathNotFound, ReadOnlyMount, WriteError
 from gpufeed.mount_options import is_writable
-from gpufeed.namespace import FileStat, normalize
+from gpufeed.paths import FileStat, normalize
 
 if TYPE_CHECKING:
     from gpufeed.client import Client

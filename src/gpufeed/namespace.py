@@ -8,10 +8,9 @@ its mount.
 from __future__ import annotations
 
 import math
-import posixpath
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpufeed.config import Settings
@@ -36,6 +35,7 @@ from gpufeed.mount_options import CACHE_OPTIONS, CachePolicy, is_writable, packe
 from gpufeed.pack.layout import DIR as PACK_DIR
 from gpufeed.pack.layout import hidden, object_entry
 from gpufeed.pack.tables import MemberTables
+from gpufeed.paths import FileStat, Resolved, normalize, since_listed
 from gpufeed.sources import Source, as_url, open_source
 from gpufeed.sources.base import ObjectInfo, same_version
 
@@ -45,63 +45,7 @@ if TYPE_CHECKING:
     from gpufeed.pack.members import MemberTable
 
 
-@dataclass(frozen=True, slots=True)
-class FileStat:
-    """What `stat` and `ls` report for a namespace path: the path and, for a file, the object
-    as the manifest records it (`info.key` is relative to the mount's source root)."""
-
-    path: str
-    is_dir: bool
-    info: ObjectInfo | None = None
-
-    @property
-    def size(self) -> int:
-        return self.info.size if self.info is not None else 0
-
-    @property
-    def mtime(self) -> float:
-        return self.info.mtime if self.info is not None else 0.0
-
-    @property
-    def etag(self) -> str | None:
-        return self.info.etag if self.info is not None else None
-
-    @property
-    def content_hash(self) -> str | None:
-        return self.info.content_hash if self.info is not None else None
-
-    @property
-    def version(self) -> str | None:
-        return self.info.version if self.info is not None else None
-
-    @classmethod
-    def of(cls, path: str, entry: Entry) -> FileStat:
-        return cls(path, True) if entry.is_dir else cls(path, False, entry.object_info())
-
-
-@dataclass(frozen=True, slots=True)
-class Resolved:
-    """A path inside a mount: `key` is relative to the mount's source root ('' for the root)."""
-
-    mount: Mount
-    key: str
-
-    @property
-    def split(self) -> tuple[str, str]:
-        parent, _, name = self.key.rpartition("/")
-        return parent, name
-
-
 MOUNTS_TTL_S = 1.0
-
-
-def normalize(path: str) -> str:
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise InvalidArgument(f"{path!r}: namespace paths are absolute, e.g. /data/train/0001.jpg")
-    if "\0" in path:
-        raise InvalidArgument(f"{path!r}: path contains a NUL byte")
-    clean = posixpath.normpath(path)
-    return "/" + clean.lstrip("/")
 
 
 class Namespace:
@@ -526,9 +470,3 @@ class Namespace:
                 f"run 'gpufeed mount refresh {where.mount.path}'"
             )
         return replace(entry.object_info(), key=member.pack_key)
-
-
-def since_listed(path: str, what: str, mount: str, detail: str) -> str:
-    """The one-line error for an object `what` ("deleted", "changed") under the manifest of
-    `mount`, with the way out."""
-    return f"{path}: {what} at the source since mount {mount} was listed ({detail}); run 'gpufeed mount refresh {mount}'"

@@ -21,7 +21,7 @@ from gpufeed.sources.base import ObjectInfo
 
 if TYPE_CHECKING:
     from gpufeed.client import Client
-    from gpufeed.namespace import FileStat
+    from gpufeed.paths import FileStat
 
 BATCH_BYTES = 64 << 20
 BATCH_FILES = 256

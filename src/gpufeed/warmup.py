@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpufeed.client import Client
-    from gpufeed.namespace import FileStat
+    from gpufeed.paths import FileStat
 
 STATUS_INTERVAL_S = 0.5
 

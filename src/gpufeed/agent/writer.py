@@ -33,7 +33,8 @@ from gpufeed.blocks import object_blocks, source_identity
 from gpufeed.cache.layout import WRITER_FILE, staging_dir
 from gpufeed.config import Settings
 from gpufeed.mount_options import CachePolicy
-from gpufeed.namespace import Namespace, normalize
+from gpufeed.namespace import Namespace
+from gpufeed.paths import normalize
 from gpufeed.rpc.messages import Commit, Committed, Credentials, Failure, Remove, SourceSpec, Sync, Synced
 from gpufeed.sources import Source, open_source
 from gpufeed.sources.base import ObjectInfo

@@ -37,7 +37,7 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No queue status on stderr; errors still print."),
 ) -> None:
     """Run COMMAND on a pooled GPU lease: `gpufeed gpu run --gpu 0.5 --mem 20GiB -- python train.py`."""
-    from gpufeed.namespace import normalize
+    from gpufeed.paths import normalize
     from gpufeed.pool.client import connect
     from gpufeed.pool.client import run as run_leased
     from gpufeed.pool.ledger import Request

@@ -11,7 +11,7 @@ from gpufeed.aio import run_blocking
 from gpufeed.blocks import WHOLE_OBJECT_MAX
 from gpufeed.client.handles import ObjectHandle
 from gpufeed.errors import ObjectChanged, ObjectMissing
-from gpufeed.namespace import since_listed
+from gpufeed.paths import since_listed
 
 DIRECT_CONCURRENCY = 64
 """Ranged GETs one batch keeps in flight when it reads from the source itself."""

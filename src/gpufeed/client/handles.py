@@ -17,7 +17,8 @@ from gpufeed.cache.openfiles import OpenBlocks
 from gpufeed.client.connection import AgentClient, AgentUnavailable, HitReporter, Tally
 from gpufeed.meta import Mount
 from gpufeed.mount_options import CachePolicy, is_writable, source_options
-from gpufeed.namespace import Namespace, Resolved
+from gpufeed.namespace import Namespace
+from gpufeed.paths import Resolved
 from gpufeed.sources import ObjectInfo, Source
 
 _K = TypeVar("_K")

@@ -30,7 +30,8 @@ from gpufeed.client.writer import FeedWriter
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing, WriteError
 from gpufeed.mount_options import source_options
-from gpufeed.namespace import FileStat, Namespace
+from gpufeed.namespace import Namespace
+from gpufeed.paths import FileStat
 from gpufeed.rpc.messages import (
     Credentials,
     Done,

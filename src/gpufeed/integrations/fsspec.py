@@ -18,7 +18,7 @@ import gpufeed
 from gpufeed.cache.blockfile import as_bytes
 from gpufeed.client import FeedFile, FeedWriter
 from gpufeed.errors import InvalidArgument
-from gpufeed.namespace import FileStat
+from gpufeed.paths import FileStat
 
 
 def _info(item: FileStat) -> dict[str, Any]:

@@ -20,12 +20,12 @@ from urllib.parse import urlsplit
 
 from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument, ObjectMissing, PackError, PathNotFound
-from gpufeed.namespace import FileStat, normalize
 from gpufeed.pack import index as idx
 from gpufeed.pack.layout import DIR, INDEX_KEY, SHARDS_DIR
 from gpufeed.pack.plan import Item, Shard, pack_digest, plan
 from gpufeed.pack.shards import ShardTask, digests_key
 from gpufeed.pack.shards import run as shards_run
+from gpufeed.paths import FileStat, normalize
 from gpufeed.sources import Source, open_source
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument
 from gpufeed.mount_options import CachePolicy
-from gpufeed.namespace import FileStat
+from gpufeed.paths import FileStat
 from gpufeed.prefetch import Read
 
 
