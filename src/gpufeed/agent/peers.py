@@ -212,6 +212,14 @@ class OwnerQueue:
                 size += length
         return batch
 
+    def answer_all(self) -> None:
+        """Answer every waiting asker None (they read the next owner or the store) and forget them."""
+        for _, _, _, wanted in self.waiting:
+            if not wanted.done():
+                wanted.set_result(None)
+        self.waiting.clear()
+        self.waiting_bytes = 0
+
 
 class PeerBlocks:
     """The owners of a block, asked in order before the store (`fetcher.BlockSource`)."""
@@ -307,11 +315,7 @@ class PeerBlocks:
         finally:
             queue.senders -= 1
             if not queue.senders:
-                for _, _, _, wanted in queue.waiting:  # only when the last sender stopped on an error
-                    if not wanted.done():
-                        wanted.set_result(None)
-                queue.waiting.clear()
-                queue.waiting_bytes = 0
+                queue.answer_all()  # only when the last sender stopped on an error
 
     async def _request(self, node: Node, batch: list[Wanted]) -> None:
         """One request for the batch; each block is handed to its asker as it arrives (the owner
