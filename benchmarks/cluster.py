@@ -143,7 +143,9 @@ def link_counts(nodes: list[tuple[Host, Path]]) -> list[tuple[float, float, floa
     for host, cache in nodes:
         got = node_metrics(host, cache, r'gpufeed_miss_bytes_total\{mount="/data",tier="store"\}',
                            r'gpufeed_miss_bytes_total\{mount="/data",tier="peer"\}', "gpufeed_peer_served_bytes_total")
-        store, peers, served = got or (0.0, 0.0, 0.0)
+        if got is None:
+            raise SystemExit(f"{host.name}'s agent stopped answering")
+        store, peers, served = got
         counts.append((store, peers, served))
     return counts
 
@@ -290,8 +292,10 @@ def main() -> None:
                     print(f"{count:>2} {way:8} {result['egress']:>12.2f}x "
                           f"{slowest:>10.2f} {aggregate:>15.1f} {aggregate / (count * single[way]):>13.2f}x "
                           f"{bound / slowest:>8.2f}x {load:>14} {result['cpu']:>8.0%}  {nodes}{warmed}", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    except BaseException:
+        print(f"the agents' and the shaper's logs are kept in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
