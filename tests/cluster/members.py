@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufeed.bench.children import free_port
-from gpufeed.client.connection import AgentClient
+from gpufeed.client.connection import AgentClient, AgentUnavailable
 from gpufeed.cluster.membership import status
 from gpufeed.config import Settings
 from gpufeed.rpc.messages import Metrics, MetricsText
@@ -40,8 +40,13 @@ class Member:
         return dataclasses.replace(Settings.from_env(), cache_dirs=(self.cache,))
 
     def sees(self) -> int:
-        """How many live members this node's agent sees."""
-        text = AgentClient(self.settings()).request(Metrics(), MetricsText, start=False).text
+        """How many live members this node's agent sees; 0 while it starts (it joins the cluster
+        before its local socket serves)."""
+        try:
+            text = AgentClient(self.settings()).request(Metrics(), MetricsText, start=False).text
+        except AgentUnavailable:
+            assert self.process.poll() is None, f"{self.name}'s agent exited: {self.log.read_text()}"
+            return 0
         return int(float(re.search(r"^gpufeed_cluster_members (\S+)$", text, re.M)[1]))  # type: ignore[index]
 
     def read_all(self, paths: list[str]) -> dict[str, str]:
