@@ -360,6 +360,17 @@ def test_single_flight_across_processes_and_threads(nginx: HttpServer, tmp_path:
     assert gets == len(expected) == 120
 
 
+def test_an_agent_reading_http_objects_never_loads_the_index_crawler(nginx: HttpServer, tmp_path: Path) -> None:
+    """aiohttp (0.25 s of CPU to import) is for crawling index pages, which readers never do:
+    an agent that only fetched objects has not mapped it."""
+    site = nginx.root / f"lean-{tmp_path.name}"
+    expected = make_files(site, 3, 2000)
+    Namespace().add_mount("/web", f"{nginx.url}/{site.name}")
+    assert {name: gpufeed.read(f"/web/{name}") for name in expected} == expected
+    maps = Path(f"/proc/{gpufeed.client().agent.stats(start=False).pid}/maps").read_text()
+    assert "/obstore/" in maps and "/aiohttp/" not in maps
+
+
 def test_immutable_and_strict_mounts_never_share_blocks(tmp_path: Path) -> None:
     root = tmp_path / "shared"
     make_files(root, 1, 5000)
