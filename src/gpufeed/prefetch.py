@@ -16,6 +16,7 @@ the iteration cancels what was not fetched yet. PyTorch datasets, `gpufeed warmu
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import queue
 import threading
@@ -36,6 +37,8 @@ SAFETY = 4.0
 BATCH_BLOCKS = 256
 RECENT_BLOCKS = 65536
 RECENT_HANDLES = 4096
+RESOLVE_BATCH = 64
+"""Items taken from the order at a time, their files' handles looked up together."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,24 +70,26 @@ class Prefetcher:
         for bursts, within [min_bytes, max_bytes]."""
         return int(min(self.max_bytes, max(self.min_bytes, SAFETY * rate_bytes_s * self.latency_s)))
 
-    def _handle(self, path: str) -> ObjectHandle:
-        """Handles of recent paths only: samples sharing a file reuse one, and a million-file
-        epoch does not keep a million handles."""
-        handle = self._handles.get(path)
-        if handle is None:
-            handle = self._handles[path] = self.client.handle(path)
-            if len(self._handles) > RECENT_HANDLES:
-                self._handles.popitem(last=False)
-        return handle
+    def _resolved(self, items: list[T], read_of: Callable[[T], Read | None]) -> list[tuple[T, Read | None, ObjectHandle | None]]:
+        """Each item with its read and the handle of the read's file, the handles this
+        prefetcher does not remember looked up together (`Client.handle_many`). Handles of
+        recent paths only: samples sharing a file reuse one, and a million-file epoch does not
+        keep a million handles."""
+        reads = [read_of(item) for item in items]
+        unknown = list(dict.fromkeys(r.path for r in reads if r is not None and r.path not in self._handles))
+        for path, handle in zip(unknown, self.client.handle_many(unknown) if unknown else [], strict=True):
+            self._handles[path] = handle
+        while len(self._handles) > max(RECENT_HANDLES, len(unknown)):
+            self._handles.popitem(last=False)
+        return [(item, read, None if read is None else self._handles[read.path]) for item, read in zip(items, reads, strict=True)]
 
-    def _blocks(self, read: Read) -> tuple[ObjectHandle, list[int], int]:
-        handle = self._handle(read.path)
+    def _blocks(self, read: Read, handle: ObjectHandle) -> tuple[list[int], int]:
         end = handle.size if read.end is None else min(read.end, handle.size)
         if handle.blocks is None or end <= read.start:
-            return handle, [], 0
+            return [], 0
         start, end = handle.extent(read.start, end)  # a pack member's blocks are its shard's
         size = handle.blocks.block_size
-        return handle, list(range(start // size, (end - 1) // size + 1)), end - start
+        return list(range(start // size, (end - 1) // size + 1)), end - start
 
     def _sender(self) -> None:
         """Background thread: send the wanted blocks to the agent, in order. What was queued
@@ -124,6 +129,8 @@ class Prefetcher:
         self._start()
         source = iter(items)
         window: collections.deque[tuple[T, int]] = collections.deque()
+        pending: collections.deque[tuple[T, Read | None, ObjectHandle | None]] = collections.deque()
+        """Items taken from `items` with their handles, not yet in the window."""
         window_bytes = 0
         consumed_bytes = 0
         started = time.monotonic()
@@ -134,16 +141,17 @@ class Prefetcher:
                 rate = consumed_bytes / max(1e-3, time.monotonic() - started)
                 target = self.window_bytes(rate)
                 batch: list[tuple[ObjectHandle, list[int]]] = []
+                batch_blocks = 0
                 while not exhausted and (window_bytes < target or not window):
-                    try:
-                        item = next(source)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    read = read_of(item)
+                    if not pending:
+                        pending.extend(self._resolved(list(itertools.islice(source, RESOLVE_BATCH)), read_of))
+                        if not pending:
+                            exhausted = True
+                            break
+                    item, read, handle = pending.popleft()
                     size = 0
-                    if read is not None:
-                        handle, blocks, size = self._blocks(read)
+                    if read is not None and handle is not None:
+                        blocks, size = self._blocks(read, handle)
                         ref = handle.blocks
                         fresh = [b for b in blocks if (ref.oid, b) not in sent] if ref else []
                         if ref and fresh:  # samples sharing a block ask for it once (within recent memory)
@@ -152,11 +160,12 @@ class Prefetcher:
                             while len(sent) > RECENT_BLOCKS:
                                 sent.popitem(last=False)
                             batch.append((handle, fresh))
+                            batch_blocks += len(fresh)
                     window.append((item, size))
                     window_bytes += size
-                    if sum(len(b) for _, b in batch) >= BATCH_BLOCKS:
+                    if batch_blocks >= BATCH_BLOCKS:
                         self._queue.put((batch, len(window)))
-                        batch = []
+                        batch, batch_blocks = [], 0
                 if batch:
                     self._queue.put((batch, len(window)))
                 if not window:

@@ -135,7 +135,7 @@ def verify(client: Client, target: Listed, progress: Callable[[Verified], None] 
         check(item, hasher.hexdigest(), handle.listed)
 
     def batch(items: list[FileStat]) -> None:
-        handles = [client.handle(item.path) for item in items]
+        handles = client.handle_many([item.path for item in items])
         hashed = [n for n, item in enumerate(items) if item.content_hash is not None]
         unhashed = [n for n, item in enumerate(items) if item.content_hash is None]
         views: dict[int, memoryview] = {}

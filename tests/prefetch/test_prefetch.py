@@ -125,3 +125,25 @@ def test_what_was_queued_while_a_request_was_out_goes_as_one_request(files: list
     assert prefetcher.requests == 1
     assert ahead_samples() == 10, "the request carries the lead of the latest top-up"
     prefetcher.close()
+
+
+def test_the_window_looks_its_files_up_a_directory_at_a_time(files: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening a file per sample was a manifest query per sample in the training process:
+    the window's files are looked up together (one query per directory and batch)."""
+    client = gpufeed.client()
+    engine = client.namespace.engine
+    lookup_many = engine.lookup_many
+    batches: list[int] = []
+
+    def counted(generation: int, parent: str, names: list[str]) -> dict:
+        batches.append(len(names))
+        return lookup_many(generation, parent, names)
+
+    monkeypatch.setattr(engine, "lookup", lambda *args: pytest.fail("a file was looked up on its own"))
+    monkeypatch.setattr(engine, "lookup_many", counted)
+    prefetcher = Prefetcher(client)
+    assert list(prefetcher.ahead(files, Read)) == files
+    prefetcher.close()
+    assert sum(batches) == 60 and len(batches) == 1
+    handles = client.handle_many(files[::-1])
+    assert [h.path for h in handles] == files[::-1] and len(batches) == 1, "remembered handles need no lookup"

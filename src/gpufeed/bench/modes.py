@@ -192,7 +192,7 @@ def copy_dataset(client: Client, dataset: Dataset, target: Path) -> tuple[str, .
     free = shutil.disk_usage(target.parent).free
     if dataset.bytes > free:
         raise InvalidArgument(f"copy mode needs {dataset.bytes} bytes in {target.parent}, only {free} are free")
-    handles = [client.handle(path) for path in dataset.paths]
+    handles = client.handle_many(dataset.paths)
     local = tuple(str(target / path.lstrip("/")) for path in dataset.paths)
     fds: list[int] = []
     try:

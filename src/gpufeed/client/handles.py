@@ -5,7 +5,7 @@ generation is current, so a read by path costs no manifest lookup."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -101,7 +101,24 @@ class Handles:
         known = self._handles.get(path)
         if known is not None and self.generations().get(known.mount.path) == known.mount.generation:
             return known
-        where, source, info = self.namespace.open_object(path)
+        return self._handle(path, *self.namespace.open_object(path))
+
+    def get_many(self, paths: Sequence[str]) -> list[ObjectHandle]:
+        """`get` of each path; the ones not remembered are looked up together
+        (`Namespace.open_objects`: a manifest query per directory, not per file)."""
+        generations = self.generations()
+        found: list[ObjectHandle | None] = []
+        for path in paths:
+            known = self._handles.get(path)
+            found.append(known if known is not None and generations.get(known.mount.path) == known.mount.generation else None)
+        missing = [n for n, handle in enumerate(found) if handle is None]
+        if missing:
+            for n, opened in zip(missing, self.namespace.open_objects([paths[n] for n in missing]), strict=True):
+                found[n] = self._handle(paths[n], *opened)
+        return found  # type: ignore[return-value]
+
+    def _handle(self, path: str, where: Resolved, source: Source, info: ObjectInfo) -> ObjectHandle:
+        """The handle of an object just opened, remembered where that stays true."""
         mount = where.mount
         policy = CachePolicy.of(mount, self.settings)
         member = None

@@ -127,6 +127,11 @@ class Client:
         are writable mounts' (a write in another process changes an entry, not the generation)."""
         return self.handles.get(path)
 
+    def handle_many(self, paths: Sequence[str]) -> list[ObjectHandle]:
+        """`handle` of each path, the ones not remembered looked up a directory at a time: what a
+        batch of samples, or a prefetch window, costs the manifest."""
+        return self.handles.get_many(paths)
+
     def read_range(self, handle: ObjectHandle, start: int, end: int) -> memoryview:
         """Bytes [start, end) of the pinned version, clipped to the object's size."""
         if handle.member is not None:
@@ -331,7 +336,7 @@ class Client:
         read from the cache, the rest straight from the store (`read_uncached`: pinned and checked
         the same way) without caching them, so the pass neither waits for the cache to be
         written nor evicts what the node's jobs read."""
-        handles = [self.handle(path) for path in paths]
+        handles = self.handle_many(paths)
         out = [self._hit(handle, *handle.extent(0, handle.size)) for handle in handles]
         missed = [n for n, data in enumerate(out) if data is None]
         if missed:
@@ -463,7 +468,7 @@ class Client:
         """Whole files by namespace path, as one batch (`read_many`)."""
 
         def attempt() -> list[memoryview]:
-            handles = [self.handle(path) for path in paths]
+            handles = self.handle_many(paths)
             return self.read_many([(handle, 0, handle.size) for handle in handles])
 
         return self._current(attempt)
