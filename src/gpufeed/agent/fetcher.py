@@ -23,7 +23,7 @@ from typing import Literal, Protocol
 import xxhash
 
 from gpufeed import errors
-from gpufeed.agent.manager import CacheManager
+from gpufeed.agent.manager import INLINE_PUBLISH, CacheManager
 from gpufeed.agent.metrics import Metrics
 from gpufeed.agent.sessions import Session, Sessions
 from gpufeed.blocks import WHOLE_OBJECT_MAX, BlockId, ObjectBlocks, object_blocks
@@ -249,7 +249,11 @@ class Fetcher:
 
     async def _publish(self, block: BlockId, data: memoryview, copy: bool = False) -> bool:
         """Publish to the end even when the fetch that read `data` is cancelled (its reader went
-        away): a block file is written and counted in the cache, or neither."""
+        away): a block file is written and counted in the cache, or neither. A small block is
+        written without a suspension (`INLINE_PUBLISH`), where no cancellation can land, so it
+        needs no shielding task."""
+        if len(data) <= INLINE_PUBLISH:
+            return await self.manager.publish(block, data, copy)
         return await asyncio.shield(self.manager.publish(block, data, copy))
 
     async def _whole(self, job: Job) -> Status:
