@@ -1,8 +1,10 @@
 """Epoch by epoch, a DataLoader training loop reading JPEGs: local disk against reading the store
-directly and against gpufeed over HTTP (nginx) and S3 (moto), every store 20 ms away.
+directly and against gpufeed over HTTP (nginx) and S3 (moto, or s3rver with --store s3rver),
+every store 20 ms away.
 
     python benchmarks/epochs.py [--files 3000] [--size 113000] [--workers 2] [--batch 32]
                                 [--epochs 3] [--latency-ms 20] [--busy 0.9] [--persistent]
+                                [--store moto|s3rver]
 
 The workload is issue 12's: --files JPEGs of about --size bytes, decoded with PIL in the
 DataLoader's workers (batch --batch, --workers workers, shuffled by a seeded sampler), and an
@@ -327,8 +329,11 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--busy", type=float, default=0.9, help="accelerator busy share the step is calibrated to on local disk")
     parser.add_argument("--persistent", action="store_true", help="persistent DataLoader workers")
+    parser.add_argument("--store", choices=sorted(S3_SERVERS), default="moto",
+                        help="the S3 server: moto burns milliseconds of this machine's CPU per GET, s3rver less")
     args = parser.parse_args()
-    os.environ.update(CREDENTIALS)
+    s3_server, s3_credentials = S3_SERVERS[args.store]
+    os.environ.update(s3_credentials)
     torch.set_num_threads(1)
 
     with scratch_home("gpufeed-epochs-") as work:
@@ -393,15 +398,15 @@ def main() -> None:
                 gets["gpufeed http, prefetch off"] = gets["gpufeed http"]
                 run_loop("gpufeed http, prefetch off", 1, feed_loader(again, args, prefetch=False), step_s, report)
 
-        with s3_store(work, root) as endpoint:
+        with s3_server(work, root) as endpoint:
             port = int(endpoint.rsplit(":", 1)[1])
             with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper-s3.log") as shaped:
                 Namespace().add_mount("/s3", f"s3://{BUCKET}/train", {"endpoint": f"http://127.0.0.1:{shaped}"})
                 s3 = FeedDataset("/s3", transform=decode)
-                writes["gpufeed s3"] = plain_write_ms(paths, work / "home" / "plain-s3")
+                writes[f"gpufeed s3 ({args.store})"] = plain_write_ms(paths, work / "home" / "plain-s3")
                 store = S3Store(BUCKET, endpoint=f"http://127.0.0.1:{shaped}", client_options={"allow_http": True})
-                gets["gpufeed s3"] = bare_get_ms(store, [f"train/{name}" for name in names])
-                run_loop("gpufeed s3", args.epochs, feed_loader(s3, args), step_s, report)
+                gets[f"gpufeed s3 ({args.store})"] = bare_get_ms(store, [f"train/{name}" for name in names])
+                run_loop(f"gpufeed s3 ({args.store})", args.epochs, feed_loader(s3, args), step_s, report)
 
         after = run_loop("local disk, again", args.epochs, local_loader, step_s, report)
         local_rate = statistics.mean(e.samples_s for e in local.epochs + after.epochs)
