@@ -206,6 +206,23 @@ def test_the_background_warmup_caches_the_mounted_path(tmp_path: Path, mountpoin
     assert "warmup done" in ok("fuse", "ls")
 
 
+def test_the_warmup_skips_a_file_it_cannot_open_and_caches_the_rest(tmp_path: Path, mountpoint: Path) -> None:
+    """Files are looked up a batch at a time; one that fails (gone from the store of a --max-age
+    mount, which checks at each open) is named in the log and skipped, even as the last one."""
+    make_files(tmp_path / "src", 30, 50_000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}", max_age=0.001)
+    gone = sorted((tmp_path / "src").iterdir())[-1]
+    size = gone.stat().st_size
+    gone.unlink()
+    mount(mountpoint, "/data")
+    until(lambda: mount_state(mountpoint).get("warm_done"), what="the warmup")
+    cached = {item.path: (item.size, got) for item, got in Client().cached_bytes("/data")}
+    assert cached.pop(f"/data/{gone.name}") == (size, 0)
+    assert len(cached) == 29 and all(size == got for size, got in cached.values())
+    log = fuse_mounts.log_file(Settings.from_env(), mountpoint).read_text()
+    assert f"warmup skips /data/{gone.name}" in log
+
+
 def test_a_refresh_shows_the_new_bytes_and_a_store_failure_is_eio(tmp_path: Path, mountpoint: Path, gpufeed_home: Path) -> None:
     src = tmp_path / "src"
     make_files(src, 3, 1000)

@@ -15,12 +15,15 @@ from gpufeed.client import Client, ObjectHandle
 from gpufeed.client.connection import AgentUnavailable
 from gpufeed.errors import GpufeedError
 from gpufeed.integrations.fuse_mounts import MountState
+from gpufeed.paths import FileStat
 
 log = logging.getLogger("gpufeed.fuse")
 
 WARMUP_CHUNK_BYTES = 64 << 20
 """The background warmup queues this much at a time, and at most two chunks at once, so a
 million-file mount is not one agent request and demand reads find the store's slots free."""
+WARMUP_LOOKUPS = 256
+"""Files the warmup looks up in the manifest together (`Client.handle_many`)."""
 _DONE = object()
 
 
@@ -94,14 +97,9 @@ class MountPrefetch(threading.Thread):
         sent: list[tuple[ObjectHandle, list[int]]] = []
         chunk: list[tuple[ObjectHandle, list[int]]] = []
         chunk_bytes = 0
-        for number, item in enumerate(files, 1):
-            try:
-                handle = self.client.handle(item.path)
-            except GpufeedError as exc:
-                log.warning("gpufeed fuse: warmup skips %s: %s", item.path, exc)
-                continue
-            ref = handle.blocks
-            if ref is not None:
+        for number, handle in enumerate(self._handles(files), 1):
+            ref = None if handle is None else handle.blocks
+            if handle is not None and ref is not None:
                 missing = [i for i in range(ref.blocks.count) if not os.path.exists(ref.path(i))]
                 if missing:
                     chunk.append((handle, missing))
@@ -115,6 +113,23 @@ class MountPrefetch(threading.Thread):
         yield from self._cached(sent)
         self.state.warm_files, self.state.warm_done = len(files), True
         log.info("gpufeed fuse: warmup of %s done: %d files in %.1f s", self.nspath, len(files), time.monotonic() - started)
+
+    def _handles(self, files: list[FileStat]) -> Iterator[ObjectHandle | None]:
+        """Each file's handle, WARMUP_LOOKUPS files looked up together; None for a file that
+        cannot be opened (said once in the log), which the warmup skips."""
+        for start in range(0, len(files), WARMUP_LOOKUPS):
+            batch = files[start : start + WARMUP_LOOKUPS]
+            try:
+                yield from self.client.handle_many([item.path for item in batch])
+                continue
+            except GpufeedError:
+                pass  # one file of the batch: find which, file by file
+            for item in batch:
+                try:
+                    yield self.client.handle(item.path)
+                except GpufeedError as exc:
+                    log.warning("gpufeed fuse: warmup skips %s: %s", item.path, exc)
+                    yield None
 
     @staticmethod
     def _cached(sent: list[tuple[ObjectHandle, list[int]]]) -> Iterator[None]:
