@@ -223,6 +223,28 @@ def test_the_warmup_skips_a_file_it_cannot_open_and_caches_the_rest(tmp_path: Pa
     assert f"warmup skips /data/{gone.name}" in log
 
 
+def test_getattr_of_a_file_the_warmup_opened_asks_the_manifest_nothing(tmp_path: Path, mountpoint: Path) -> None:
+    """The warmup's handles answer the kernel's getattr: a manifest entry changed behind the
+    daemon's back (size 1) shows through a mount without a warmup, not through the warmed one."""
+    files = make_files(tmp_path / "src", 3, 5000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    mount(mountpoint, "/data")
+    until(lambda: mount_state(mountpoint).get("warm_done"), what="the warmup")
+    namespace = Namespace()
+    generation = namespace.mount("/data").generation
+    entry = namespace.engine.lookup(generation, "", "00001.bin")
+    assert entry is not None
+    namespace.engine.put_entries(generation, [entry._replace(size=1)])
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    mount(cold, "/data", "--no-warmup")
+    try:
+        assert os.stat(mountpoint / "00001.bin").st_size == len(files["00001.bin"])
+        assert os.stat(cold / "00001.bin").st_size == 1
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(cold)], check=False)
+
+
 def test_a_refresh_shows_the_new_bytes_and_a_store_failure_is_eio(tmp_path: Path, mountpoint: Path, gpufeed_home: Path) -> None:
     src = tmp_path / "src"
     make_files(src, 3, 1000)

@@ -98,10 +98,15 @@ class Handles:
 
     def get(self, path: str) -> ObjectHandle:
         """The object at `path` (see `Client.handle`)."""
+        known = self.remembered(path)
+        return known if known is not None else self._handle(path, *self.namespace.open_object(path))
+
+    def remembered(self, path: str) -> ObjectHandle | None:
+        """The handle an earlier open of `path` left, while its mount's generation is current."""
         known = self._handles.get(path)
         if known is not None and self.generations().get(known.mount.path) == known.mount.generation:
             return known
-        return self._handle(path, *self.namespace.open_object(path))
+        return None
 
     def get_many(self, paths: Sequence[str]) -> list[ObjectHandle]:
         """`get` of each path; the ones not remembered are looked up together

@@ -488,6 +488,14 @@ class Client:
     def stat(self, path: str | os.PathLike[str]) -> FileStat:
         return self.namespace.stat(arguments.path(path, "stat"))
 
+    def stat_opened(self, path: str) -> FileStat | None:
+        """`stat` of a file this client opened (itself, or its prefetch or warmup), from the
+        handle, without a manifest query; None for any other path. As current as the handle:
+        a refresh elsewhere shows within MOUNTS_TTL_S (as it does to reads by path), which suits
+        the FUSE daemon's getattr, whose answers the kernel keeps for longer anyway."""
+        known = self.handles.remembered(path)
+        return None if known is None else FileStat(known.path, False, known.listed)
+
     def ls(self, path: str | os.PathLike[str]) -> list[FileStat]:
         return self.namespace.ls(arguments.path(path, "ls"))
 

@@ -132,7 +132,7 @@ class FeedOperations(mfusepy.Operations):
     def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
         self.calls["getattr"] += 1
         try:
-            item = self.client.stat(self._ns(path))
+            item = self.client.stat_opened(self._ns(path)) or self.client.stat(self._ns(path))
         except NamespacePathError:
             raise mfusepy.FuseOSError(errno.ENOENT) from None
         mtime = int(item.mtime * 1e9)
