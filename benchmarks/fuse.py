@@ -110,12 +110,13 @@ def unmount(point: Path, process: subprocess.Popen[bytes] | None = None) -> None
 
 
 @contextmanager
-def gpufeed_mount(point: Path, nspath: str, warmup: bool = True) -> Iterator[Path]:
+def gpufeed_mount(point: Path, nspath: str, warmup: bool = True) -> Iterator[int]:
+    """`gpufeed fuse` at `point` until the block ends; yields the daemon's pid."""
     point.mkdir()
     argv = [sys.executable, "-m", "gpufeed", "fuse", str(point), nspath, *([] if warmup else ["--no-warmup"])]
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     try:
-        yield point
+        yield int(out.split("(pid ")[1].split(")")[0].split(",")[0])
     finally:
         unmount(point)
 
@@ -175,11 +176,6 @@ def calls_now(point: Path) -> dict[str, int]:
     sys.exit(f"the gpufeed daemon at {point} wrote no state file")
 
 
-def daemon_pid(point: Path) -> int:
-    state = fuse_mounts.state(Settings.from_env(), point) or {}
-    return int(state.get("pid", 0))  # type: ignore[call-overload]
-
-
 def per_open(before: dict[str, int], after: dict[str, int]) -> str:
     delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
     opens = delta.get("open", 0) or 1
@@ -187,23 +183,34 @@ def per_open(before: dict[str, int], after: dict[str, int]) -> str:
     return f"{sum(delta.values()) / opens:.2f} callbacks per open ({parts})"
 
 
-def run_loop(name: str, root: Path, args: argparse.Namespace, step_s: float, gpufeed_at: Path | None = None) -> Loop:
-    """Two epochs over `root`, the page cache dropped before the first."""
-    drop_caches()
+def run_loop(name: str, root: Path, args: argparse.Namespace, step_s: float, daemon: int = 0) -> Loop:
+    """Two epochs over `root`, the page cache dropped before the first (unless `daemon`, the pid
+    of the gpufeed mount's daemon, says the caller just mounted it and dropped it before)."""
+    if not daemon:
+        drop_caches()
     dataset = ImageFiles(root)
     loop = Loop(name)
     for epoch in range(2):
         order = RandomSampler(dataset, generator=torch.Generator().manual_seed(epoch))
         loader = DataLoader(dataset, batch_size=args.batch, sampler=order, num_workers=args.workers, collate_fn=collate)
-        before = calls_now(gpufeed_at) if gpufeed_at else {}
-        daemon = daemon_pid(gpufeed_at) if gpufeed_at else 0
-        cpu = cpu_s(daemon)
+        before = calls_now(root) if daemon and epoch else {}  # epoch 1: the mount is new, its counts near 0
+        cpu = cpu_s(daemon) if daemon else 0.0
         loop.epochs.append(run_epoch(loader, step_s))
-        if gpufeed_at:
+        if daemon:
             loop.daemon_cpu_s.append(cpu_s(daemon) - cpu)
-            loop.callbacks.append(per_open(before, calls_now(gpufeed_at)))
+            loop.callbacks.append(per_open(before, calls_now(root)))
         print(f"  {name}: epoch {epoch + 1} {loop.epochs[-1].samples_s:,.0f} samples/s", file=sys.stderr, flush=True)
     return loop
+
+
+def run_feed_loop(name: str, point: Path, nspath: str, args: argparse.Namespace, step_s: float) -> Loop:
+    """`run_loop` through a gpufeed mount made as epoch 1 starts (the page cache dropped first),
+    as a user mounts and then runs the script: its background warmup runs beside the job from
+    the job's first moment. Mounted before the drop and the wait for the daemon's state file,
+    the warmup had fetched part of the set before epoch 1's clock started."""
+    drop_caches()
+    with gpufeed_mount(point, nspath) as daemon:
+        return run_loop(name, point, args, step_s, daemon)
 
 
 def cat_gb_s(path: Path) -> float:
@@ -224,14 +231,16 @@ def big_file(work: Path, mib: int) -> list[tuple[str, float]]:
     Namespace().add_mount("/big", f"file://{source}")
     subprocess.run([sys.executable, "-m", "gpufeed", "warmup", "-q", "/big"], check=True, stdout=subprocess.DEVNULL)
     rows = []
-    with gpufeed_mount(work / "mnt-big", "/big", warmup=False) as point:
+    point = work / "mnt-big"
+    with gpufeed_mount(point, "/big", warmup=False):
         before = calls_now(point)
         for where, path in (("local file", local), ("gpufeed fuse", point / "big.bin")):
             drop_caches()
             rows.append((f"{where}, page cache dropped", cat_gb_s(path)))
             rows.append((f"{where}, page cache hot", cat_gb_s(path)))
         after = calls_now(point)
-    with gpufeed_mount(work / "mnt-big-again", "/big", warmup=False) as point:  # new files: nothing in their page cache
+    point = work / "mnt-big-again"
+    with gpufeed_mount(point, "/big", warmup=False):  # new files: nothing in their page cache
         rows.append(("gpufeed fuse, new mount, block files hot", cat_gb_s(point / "big.bin")))
     reads = after.get("read", 0) - before.get("read", 0)
     print(f"big file: {mib} MiB, {reads} read callbacks for the two cats through the mount "
@@ -282,8 +291,7 @@ def main() -> None:
                 remote = f"http://127.0.0.1:{shaped}"
                 Namespace().add_mount("/s3", f"s3://{BUCKET}/train", {"endpoint": remote})
                 gpufeed.client().agent.stats()  # the node agent runs as a service before the job starts
-                with gpufeed_mount(work / "mnt-gpufeed", "/s3") as point:
-                    loops.append(run_loop("gpufeed fuse", point, args, step_s, gpufeed_at=point))
+                loops.append(run_feed_loop("gpufeed fuse", work / "mnt-gpufeed", "/s3", args, step_s))
                 if "rclone" not in skip and shutil.which("rclone"):
                     point = work / "mnt-rclone"
                     with peer_mount(point, "rclone", rclone_s3(point, remote, work / "rclone-cache")):
@@ -297,8 +305,7 @@ def main() -> None:
                 port = int(http_url.rsplit(":", 1)[1])
                 with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper-http.log") as shaped:
                     Namespace().add_mount("/http", f"http://127.0.0.1:{shaped}/{root.name}")
-                    with gpufeed_mount(work / "mnt-http", "/http") as point:
-                        loops.append(run_loop("gpufeed fuse, nginx", point, args, step_s, gpufeed_at=point))
+                    loops.append(run_feed_loop("gpufeed fuse, nginx", work / "mnt-http", "/http", args, step_s))
             if "rclone" not in skip and shutil.which("rclone"):  # the same store for rclone: its HTTP remote
                 with serving(root.parent, work / "nginx-html", index="html") as html_url:
                     port = int(html_url.rsplit(":", 1)[1])
