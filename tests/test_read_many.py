@@ -55,7 +55,7 @@ def test_a_sparse_batch_reads_only_its_bytes_then_waits_for_the_blocks(tmp_path:
     assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
     assert client.source_bytes == client.direct_bytes == 1000 * len(spans)
     # as if READ_AROUND_S had passed: now it waits
-    monkeypatch.setattr(sys.modules["gpufeed.client.reader"], "READ_AROUND_S", 0.0)
+    monkeypatch.setattr(sys.modules["gpufeed.client.read_around"], "READ_AROUND_S", 0.0)
     again = client.read_many([(handle, start, end) for start, end in spans])
     assert [bytes(piece) for piece in again] == [data[start:end] for start, end in spans]
     assert client.direct_bytes == 1000 * len(spans)

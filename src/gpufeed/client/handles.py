@@ -111,11 +111,7 @@ class Handles:
     def get_many(self, paths: Sequence[str]) -> list[ObjectHandle]:
         """`get` of each path; the ones not remembered are looked up together
         (`Namespace.open_objects`: a manifest query per directory, not per file)."""
-        generations = self.generations()
-        found: list[ObjectHandle | None] = []
-        for path in paths:
-            known = self._handles.get(path)
-            found.append(known if known is not None and generations.get(known.mount.path) == known.mount.generation else None)
+        found = [self.remembered(path) for path in paths]
         missing = [n for n, handle in enumerate(found) if handle is None]
         if missing:
             for n, opened in zip(missing, self.namespace.open_objects([paths[n] for n in missing]), strict=True):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import multiprocessing.util
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
@@ -26,6 +25,7 @@ from gpufeed.client.direct import DirectReads, explained
 from gpufeed.client.fetches import AgentFetches
 from gpufeed.client.file import FeedFile
 from gpufeed.client.handles import Handles, ObjectHandle
+from gpufeed.client.read_around import ReadAround
 from gpufeed.client.writer import FeedWriter
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing, WriteError
@@ -49,28 +49,6 @@ T = TypeVar("T")
 
 WARM_STEP = 64
 """Blocks a warmup asks for at once: its progress moves every 256 MiB of a big object (4 MiB blocks)."""
-READ_AROUND_S = 2.0
-"""How long a process reads around a block it asked the agent to cache. A block still missing
-later is queued behind others because the store's bandwidth is short: reading ranges around
-it would take that bandwidth from the blocks, and the cache would never warm."""
-READ_AROUND_MEMORY = 65536
-"""Blocks a client remembers having read around."""
-
-_forked = False
-"""True in a forked child (a DataLoader worker). obstore's runtime does not survive a fork: a
-network call made in the child of a process that used obstore never completes (measured with
-obstore 0.12, sync and async alike). Such a process never reads around: it waits for the
-agent, a process of its own, which fetches the blocks."""
-
-
-def _after_fork_in_child() -> None:
-    global _forked
-    _forked = True
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 def _warner() -> Callable[[str, str], None]:
     """A client's warn-once, for it and its parts. Not a bound method: a part holding the client
     would make a reference cycle, and a dropped client must close its block files at once, not
@@ -99,9 +77,7 @@ class Client:
         self.handles = Handles(self.namespace, self.agent, self.hits, self._warn_once)
         self.direct = DirectReads()
         self.fetches = AgentFetches(self.agent, self._warn_once)
-        self._lock = threading.Lock()
-        """Guards evictions from the read-around memory (lookups need no lock)."""
-        self._read_around_since: dict[tuple[str, int], float] = {}
+        self.read_around = ReadAround()
 
     @property
     def source_bytes(self) -> int:
@@ -248,7 +224,9 @@ class Client:
         waiting_on = [reads[n][0].tally for n, _ in absent]  # one per missing piece: they share the wait
         started = time.monotonic()
         if blocks:
-            around = self._read_around(reads, absent, blocks)
+            around = self.read_around.blocks(reads, absent, blocks)
+            if around:  # the agent caches them for later reads; this batch does not wait for them
+                self._hint([(blocks[oid][0], [index], []) for oid, index in around])
             waiting = []
             for oid, (handle, wanted, repairs) in blocks.items():
                 if rest := [index for index in wanted if (oid, index) not in around]:
@@ -270,46 +248,6 @@ class Client:
         if waiting_on:
             self.hits.stalled(waiting_on, time.monotonic() - started)
         return [self._joined(pieces, n, handle, start, end) for n, (handle, start, end) in enumerate(reads)]
-
-    def _read_around(
-        self,
-        reads: Sequence[tuple[ObjectHandle, int, int]],
-        absent: dict[tuple[int, int], tuple[int, int]],
-        blocks: dict[str, tuple[ObjectHandle, dict[int, None], list[int]]],
-    ) -> set[tuple[str, int]]:
-        """The missing blocks whose pieces this batch reads straight from the source (see
-        `plan.SPARSE_FACTOR`), after asking the agent to cache them; the rest it waits for. A block
-        is read around for READ_AROUND_S after this process first did so; later reads of it
-        wait for the agent."""
-        if _forked:
-            return set()
-        now = time.monotonic()
-        since = self._read_around_since
-        fresh = {
-            (oid, index)
-            for oid, (_, wanted, repairs) in blocks.items()
-            for index in wanted
-            if now - since.get((oid, index), now) < READ_AROUND_S
-            and index not in repairs
-            and blocks[oid][0].info.content_hash is None  # its blocks are cached only once the whole object is checked
-        }
-        block_bytes = 0
-        for oid, index in fresh:
-            ref = blocks[oid][0].blocks
-            assert ref is not None
-            block_bytes += ref.length(index)
-        wanted_bytes = sum(
-            hi - lo for (n, index), (lo, hi) in absent.items() if (ref := reads[n][0].blocks) and (ref.oid, index) in fresh
-        )
-        if not plan.is_sparse(len(fresh), block_bytes, wanted_bytes):
-            return set()
-        self._hint([(blocks[oid][0], [index], []) for oid, index in fresh])
-        with self._lock:
-            for key in fresh:
-                since.setdefault(key, now)
-            while len(since) > READ_AROUND_MEMORY:
-                del since[next(iter(since))]
-        return fresh
 
     @staticmethod
     def _joined(pieces: dict[tuple[int, int], memoryview], n: int, handle: ObjectHandle, start: int, end: int) -> memoryview:

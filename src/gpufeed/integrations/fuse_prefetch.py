@@ -98,8 +98,7 @@ class MountPrefetch(threading.Thread):
         chunk: list[tuple[ObjectHandle, list[int]]] = []
         chunk_bytes = 0
         for number, handle in enumerate(self._handles(files), 1):
-            ref = None if handle is None else handle.blocks
-            if handle is not None and ref is not None:
+            if handle is not None and (ref := handle.blocks) is not None:
                 missing = [i for i in range(ref.blocks.count) if not os.path.exists(ref.path(i))]
                 if missing:
                     chunk.append((handle, missing))
