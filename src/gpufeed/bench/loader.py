@@ -14,11 +14,13 @@ import math
 import multiprocessing
 import queue
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
+from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext, SpawnContext
 from types import TracebackType
 from typing import Any
@@ -73,20 +75,33 @@ def _context() -> ForkServerContext | SpawnContext:
 @contextmanager
 def _interrupts_deferred() -> Iterator[None]:
     """Hold Ctrl-C and SIGTERM until the block ends: one that arrived while multiprocessing was
-    starting a worker left a child nobody knew to stop, holding the terminal's stderr."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    starting a worker left a child nobody knew to stop, holding the terminal's stderr. The
+    Python handlers are swapped rather than the thread's signal mask: with other threads
+    running, the kernel hands a blocked signal to one of them and the main thread still runs
+    the handler inside the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers run in the main thread only: nothing can interrupt this one
+        return
+    arrived: list[int] = []
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, _frame: arrived.append(signum)) for sig in signals}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if arrived:
+            signal.raise_signal(arrived[0])
 
 
 def _work(
-    worker: int, spec: ReaderSpec, dataset: Dataset, batch: int, seed: int, tasks: Any, results: Any
+    worker: int, spec: ReaderSpec, dataset: Dataset, batch: int, seed: int, tasks: Connection, results: Any
 ) -> None:
     """Worker main: read each assigned batch with one `read_batch`, as PyTorch's fetcher calls
     a dataset's `__getitems__`; a sample's latency is the batch's read time (its samples are
-    read together, so each is ready when the batch is)."""
+    read together, so each is ready when the batch is). `tasks` is the receiving end of a
+    pipe whose only sending end is the parent's, so a parent that died, even by SIGKILL,
+    ends the loop with EOF instead of leaving the worker waiting forever."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us (spawn; forkserver: worker_signals)
     try:
         reader = spec.open(dataset.max_record)
@@ -95,7 +110,7 @@ def _work(
         return
     order_epoch, order = -1, np.empty(0, dtype=np.int64)
     try:
-        while (task := tasks.get()) is not None:
+        while (task := _next_task(tasks, results)) is not None:
             epoch, index = task
             if epoch != order_epoch:
                 order_epoch, order = epoch, epoch_permutation(seed, epoch, dataset.samples)
@@ -113,6 +128,14 @@ def _work(
         results.put(_Failure(worker, str(exc)))
     finally:
         reader.close()
+
+
+def _next_task(tasks: Connection, results: Any) -> tuple[int, int] | None:
+    try:
+        return tasks.recv()
+    except EOFError:  # the parent is gone: nobody will read what is still queued for it
+        results.cancel_join_thread()
+        return None
 
 
 class DataLoader:
@@ -136,7 +159,10 @@ class DataLoader:
         self.seed = seed
         self.batches_per_epoch = math.ceil(dataset.samples / batch)
         self._processes: list[Any] = []
-        self._tasks: list[Any] = []
+        self._tasks: list[tuple[Connection, Connection]] = []
+        """Each worker's task pipe, (receiving, sending) end: the parent holds the receiving end
+        too, so a batch sent to a worker that has failed waits in the pipe instead of raising,
+        and the worker's own report of the failure is what the training loop sees."""
         self._results: Any = None
 
     def __enter__(self) -> DataLoader:
@@ -144,16 +170,16 @@ class DataLoader:
         self._results = context.Queue()
         try:
             for worker in range(self.workers):
-                tasks = context.SimpleQueue()
+                receiver, tasks = context.Pipe(duplex=False)
                 process = context.Process(
                     target=_work,
-                    args=(worker, self.spec, self.dataset, self.batch, self.seed, tasks, self._results),
+                    args=(worker, self.spec, self.dataset, self.batch, self.seed, receiver, self._results),
                     name=f"gpufeed-bench-worker-{worker}",
                     daemon=True,
                 )
                 with _interrupts_deferred():  # a worker started is a worker close() can stop
                     process.start()
-                    self._tasks.append(tasks)
+                    self._tasks.append((receiver, tasks))
                     self._processes.append(process)
         except BaseException:
             self.close(graceful=False)
@@ -167,15 +193,18 @@ class DataLoader:
         """Stop the workers: after their current task when `graceful`, else at once (an error
         or Ctrl-C should not wait for batches nobody will take)."""
         if graceful:
-            for tasks, process in zip(self._tasks, self._processes, strict=True):
+            for (_, tasks), process in zip(self._tasks, self._processes, strict=True):
                 if process.is_alive():
-                    tasks.put(None)
+                    tasks.send(None)
         deadline = time.monotonic() + (STOP_TIMEOUT if graceful else 0.0)
         for process in self._processes:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join()
+        for ends in self._tasks:
+            for end in ends:
+                end.close()
         if self._results is not None:
             self._results.close()
             self._results.cancel_join_thread()
@@ -191,7 +220,7 @@ class DataLoader:
             if watcher is not None:
                 for _ in islice(watcher, self.batch):
                     pass
-            self._tasks[index % self.workers].put((epoch, index))
+            self._tasks[index % self.workers][1].send((epoch, index))
 
         try:
             sent = 0
