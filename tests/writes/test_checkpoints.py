@@ -187,7 +187,14 @@ def test_kill_9_of_saver_and_agent_at_20_points_always_leaves_the_latest_complet
             assert (listed[-1].step if listed else 0) >= acknowledged, (round_, listed, acknowledged)
             for checkpoint in listed:  # every listed checkpoint is complete and holds what was saved
                 loaded = zeros_like(state(checkpoint.step))
-                assert checkpoints.load(loaded, checkpoint.step) == checkpoint.step
+                try:
+                    assert checkpoints.load(loaded, checkpoint.step) == checkpoint.step
+                except PathNotFound:
+                    # its commit marker went as we read: the killed saver's prune had sent that
+                    # delete to the agent, which finishes a request whatever becomes of its sender
+                    # (a fault stall held it). A prune never takes one of the newest two.
+                    assert checkpoint not in listed[-2:], (round_, listed, checkpoint)
+                    continue
                 assert same(loaded, state(checkpoint.step)), (round_, checkpoint)
     finally:
         saver.kill()
