@@ -335,6 +335,21 @@ def test_ls_lists_mounts_with_their_callbacks(tmp_path: Path, mountpoint: Path) 
     assert "release" not in calls, "closing a file calls no Python"
 
 
+def test_a_listed_directory_is_opened_without_a_lookup_callback_per_file(tmp_path: Path, mountpoint: Path) -> None:
+    """READDIRPLUS: a listing hands the kernel every entry's attributes, as ImageFolder lists a
+    directory and then opens its files; 3,000 files asked 3,001 getattr callbacks before."""
+    files = make_files(tmp_path / "src", 300, 2000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    mount(mountpoint, "/data", "--no-warmup")
+    listed = {entry.name: entry.stat().st_size for entry in os.scandir(mountpoint)}
+    assert listed == {name: len(data) for name, data in files.items()}
+    assert all((mountpoint / name).read_bytes() == data for name, data in files.items())
+    until(lambda: mount_state(mountpoint)["calls"].get("read") == len(files), what="the state file")
+    calls = mount_state(mountpoint)["calls"]
+    assert calls.get("getattr", 0) <= 1, calls  # the mount's root
+    assert 1 <= calls["readdir"] <= 10 and calls["open"] == len(files), calls
+
+
 def test_a_sequential_reader_of_a_big_file_has_the_next_blocks_prefetched(tmp_path: Path, mountpoint: Path) -> None:
     data = os.urandom(20 << 20)  # five 4 MiB blocks
     (tmp_path / "src").mkdir()

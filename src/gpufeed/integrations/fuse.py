@@ -47,6 +47,7 @@ from gpufeed.errors import GpufeedError, IsADirectory, NamespacePathError
 from gpufeed.integrations.fuse_mounts import FuseError, MountState, state_file
 from gpufeed.integrations.fuse_prefetch import MountPrefetch
 from gpufeed.logsetup import configure
+from gpufeed.paths import FileStat
 
 # mfusepy takes the first of libfuse2 and libfuse3 it finds; gpufeed is built on libfuse3 (fuse3
 # package): its multithreaded loop, fuse_invalidate_path, max_pages.
@@ -72,6 +73,15 @@ READ_AHEAD_BLOCKS = 4
 on a mount made with --no-read-ahead."""
 WATCH_S = 1.0
 """How often the daemon checks the mount table for a refresh and writes its state file."""
+LISTINGS_KEPT = 64
+"""Listings kept between the kernel's requests for their pages (one abandoned part way stays
+until this many newer ones push it out)."""
+READDIR_PLUS = 1 << 0
+"""libfuse3's FUSE_READDIR_PLUS (`fuse_readdir_flags`): the kernel asked READDIRPLUS."""
+FILL_DIR_PLUS = 1 << 1
+"""libfuse3's FUSE_FILL_DIR_PLUS (`fuse_fill_dir_flags`): the entry's attributes are complete."""
+CAP_READDIRPLUS_AUTO = 1 << 14
+"""libfuse3's FUSE_CAP_READDIRPLUS_AUTO: READDIRPLUS for a listing's first page only."""
 
 
 @dataclass
@@ -111,6 +121,8 @@ class FeedOperations(mfusepy.Operations):
         """File handle → its open file's state, the OPENS_KEPT newest."""
         self._opened = 0
         self._lock = threading.Lock()
+        self._listings: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        """FUSE path → the entries of a listing the kernel is part way through (READDIRPLUS)."""
         self._served: dict[str, tuple[str | None, int]] = {}
         """FUSE path → (version, size) the kernel was told: what a refresh must invalidate."""
         self._fuse: int | None = None
@@ -126,6 +138,7 @@ class FeedOperations(mfusepy.Operations):
         self.started = True
         if conn_info is not None:
             conn_info.max_readahead = MAX_READ
+            conn_info.want &= ~CAP_READDIRPLUS_AUTO  # READDIRPLUS for every page of a listing, not its first only
         self.prefetcher.start()
         threading.Thread(target=self._watch, name="gpufeed-fuse-watch", daemon=True).start()
 
@@ -135,6 +148,11 @@ class FeedOperations(mfusepy.Operations):
             item = self.client.stat_opened(self._ns(path)) or self.client.stat(self._ns(path))
         except NamespacePathError:
             raise mfusepy.FuseOSError(errno.ENOENT) from None
+        return self._attributes(path, item)
+
+    def _attributes(self, path: str, item: FileStat) -> dict[str, Any]:
+        """What the kernel is told of `path`; for a file, its version and size are remembered, so
+        a refresh that changes them invalidates what the kernel keeps."""
         mtime = int(item.mtime * 1e9)
         if item.is_dir:
             return {"st_mode": stat.S_IFDIR | 0o555, "st_nlink": 2, "st_uid": self.uid, "st_gid": self.gid, "st_mtime": mtime}
@@ -151,14 +169,36 @@ class FeedOperations(mfusepy.Operations):
             "st_ctime": mtime,
         }
 
-    def readdir(self, path: str, fh: int) -> list[Any]:
-        self.calls["readdir"] += 1
+    def _listing(self, path: str) -> list[FileStat]:
         try:
-            items = self.client.ls(self._ns(path))
+            return self.client.ls(self._ns(path))
         except NamespacePathError:
             raise mfusepy.FuseOSError(errno.ENOENT) from None
-        kinds = [(f.path.rsplit("/", 1)[1], stat.S_IFDIR if f.is_dir else stat.S_IFREG) for f in items]
+
+    def readdir(self, path: str, fh: int) -> list[Any]:
+        self.calls["readdir"] += 1
+        kinds = [(f.path.rsplit("/", 1)[1], stat.S_IFDIR if f.is_dir else stat.S_IFREG) for f in self._listing(path)]
         return [".", "..", *((name, {"st_mode": mode}, 0) for name, mode in kinds)]
+
+    def readdir_plus(self, path: str, offset: int) -> list[tuple[str, dict[str, Any]]]:
+        """The directory's entries, each with all its attributes (READDIRPLUS): the kernel keeps
+        them as it keeps a lookup's, so a script that lists a directory and then opens its files
+        costs no lookup callback per file. The kernel asks a page of entries at a time, `offset`
+        the number it has; the listing is read at offset 0 and kept for the requests after it."""
+        self.calls["readdir"] += 1
+        with self._lock:
+            entries = self._listings.pop(path, None) if offset else None
+        if entries is None:
+            parent = path.rstrip("/")
+            named = [(f.path.rsplit("/", 1)[1], f) for f in self._listing(path)]
+            entries = [(name, {"st_mode": stat.S_IFDIR | 0o555}) for name in (".", "..")]
+            entries += [(name, self._attributes(f"{parent}/{name}", item)) for name, item in named]
+        if offset < len(entries):
+            with self._lock:
+                self._listings[path] = entries
+                while len(self._listings) > LISTINGS_KEPT:
+                    del self._listings[next(iter(self._listings))]
+        return entries
 
     def open(self, path: str, fi: Any) -> int:
         self.calls["open"] += 1
@@ -306,6 +346,22 @@ class _FeedFUSE(mfusepy.FUSE):
             self._kept.add(ident)
             ctypes.pythonapi.PyGILState_Ensure()
         return super()._wrapper(func, *args, **kwargs)
+
+    def readdir_fuse_3(self, path: bytes | None, buf: Any, filler: Any, offset: int, fip: Any, flags: int) -> int:
+        """READDIRPLUS, which mfusepy answers without attributes: each entry with all of them and
+        its own offset (libfuse's high-level API makes the kernel's entry only for an entry filled
+        with an offset), from the one the kernel asked for until its page is full."""
+        if not flags & READDIR_PLUS:
+            return super().readdir_fuse_3(path, buf, filler, offset, fip, flags)
+        entries = self.operations.readdir_plus(path.decode() if path else "/", offset)
+        st = mfusepy.c_stat()
+        for index in range(offset, len(entries)):
+            name, attributes = entries[index]
+            ctypes.memset(ctypes.byref(st), 0, ctypes.sizeof(st))
+            mfusepy.set_st_attrs(st, attributes, use_ns=True)
+            if filler(buf, name.encode(), st, index + 1, FILL_DIR_PLUS) != 0:
+                break
+        return 0
 
     def read(self, path: bytes | None, buf: Any, size: int, offset: int, fip: Any) -> int:
         data = self.operations.read(path.decode() if path else "", size, offset, fip.contents)
