@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
+import itertools
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -121,7 +123,7 @@ class FeedOperations(mfusepy.Operations):
         """File handle → its open file's state, the OPENS_KEPT newest."""
         self._opened = 0
         self._lock = threading.Lock()
-        self._listings: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        self._listings: dict[str, list[tuple[str, FileStat | None]]] = {}
         """FUSE path → the entries of a listing the kernel is part way through (READDIRPLUS)."""
         self._served: dict[str, tuple[str | None, int]] = {}
         """FUSE path → (version, size) the kernel was told: what a refresh must invalidate."""
@@ -180,25 +182,25 @@ class FeedOperations(mfusepy.Operations):
         kinds = [(f.path.rsplit("/", 1)[1], stat.S_IFDIR if f.is_dir else stat.S_IFREG) for f in self._listing(path)]
         return [".", "..", *((name, {"st_mode": mode}, 0) for name, mode in kinds)]
 
-    def readdir_plus(self, path: str, offset: int) -> list[tuple[str, dict[str, Any]]]:
-        """The directory's entries, each with all its attributes (READDIRPLUS): the kernel keeps
-        them as it keeps a lookup's, so a script that lists a directory and then opens its files
-        costs no lookup callback per file. The kernel asks a page of entries at a time, `offset`
-        the number it has; the listing is read at offset 0 and kept for the requests after it."""
+    def readdir_plus(self, path: str, offset: int) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The directory's entries from `offset` on, each with all its attributes (READDIRPLUS):
+        the kernel keeps them as it keeps a lookup's, so a script that lists a directory and then
+        opens its files costs no lookup callback per file. The kernel asks a page of entries at
+        a time, `offset` the number it has; the listing is read at offset 0 and kept for the
+        requests after it, and an entry's attributes are made as its page is filled."""
         self.calls["readdir"] += 1
         with self._lock:
             entries = self._listings.pop(path, None) if offset else None
         if entries is None:
-            parent = path.rstrip("/")
-            named = [(f.path.rsplit("/", 1)[1], f) for f in self._listing(path)]
-            entries = [(name, {"st_mode": stat.S_IFDIR | 0o555}) for name in (".", "..")]
-            entries += [(name, self._attributes(f"{parent}/{name}", item)) for name, item in named]
+            entries = [(".", None), ("..", None), *((f.path.rsplit("/", 1)[1], f) for f in self._listing(path))]
         if offset < len(entries):
             with self._lock:
                 self._listings[path] = entries
                 while len(self._listings) > LISTINGS_KEPT:
                     del self._listings[next(iter(self._listings))]
-        return entries
+        parent = path.rstrip("/")
+        for name, item in itertools.islice(entries, offset, None):
+            yield name, {"st_mode": stat.S_IFDIR | 0o555} if item is None else self._attributes(f"{parent}/{name}", item)
 
     def open(self, path: str, fi: Any) -> int:
         self.calls["open"] += 1
@@ -355,8 +357,7 @@ class _FeedFUSE(mfusepy.FUSE):
             return super().readdir_fuse_3(path, buf, filler, offset, fip, flags)
         entries = self.operations.readdir_plus(path.decode() if path else "/", offset)
         st = mfusepy.c_stat()
-        for index in range(offset, len(entries)):
-            name, attributes = entries[index]
+        for index, (name, attributes) in enumerate(entries, offset):
             ctypes.memset(ctypes.byref(st), 0, ctypes.sizeof(st))
             mfusepy.set_st_attrs(st, attributes, use_ns=True)
             if filler(buf, name.encode(), st, index + 1, FILL_DIR_PLUS) != 0:
