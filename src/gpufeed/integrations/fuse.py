@@ -171,15 +171,16 @@ class FeedOperations(mfusepy.Operations):
             "st_ctime": mtime,
         }
 
-    def _listing(self, path: str) -> list[FileStat]:
+    def _listing(self, path: str) -> list[tuple[str, FileStat]]:
+        """The directory's entries by name."""
         try:
-            return self.client.ls(self._ns(path))
+            return [(item.path.rsplit("/", 1)[1], item) for item in self.client.ls(self._ns(path))]
         except NamespacePathError:
             raise mfusepy.FuseOSError(errno.ENOENT) from None
 
     def readdir(self, path: str, fh: int) -> list[Any]:
         self.calls["readdir"] += 1
-        kinds = [(f.path.rsplit("/", 1)[1], stat.S_IFDIR if f.is_dir else stat.S_IFREG) for f in self._listing(path)]
+        kinds = [(name, stat.S_IFDIR if item.is_dir else stat.S_IFREG) for name, item in self._listing(path)]
         return [".", "..", *((name, {"st_mode": mode}, 0) for name, mode in kinds)]
 
     def readdir_plus(self, path: str, offset: int) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -192,7 +193,7 @@ class FeedOperations(mfusepy.Operations):
         with self._lock:
             entries = self._listings.pop(path, None) if offset else None
         if entries is None:
-            entries = [(".", None), ("..", None), *((f.path.rsplit("/", 1)[1], f) for f in self._listing(path))]
+            entries = [(".", None), ("..", None), *self._listing(path)]
         if offset < len(entries):
             with self._lock:
                 self._listings[path] = entries
