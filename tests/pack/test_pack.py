@@ -7,6 +7,7 @@ import hashlib
 import multiprocessing
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +29,9 @@ from gpufeed.pack.layout import DIR, INDEX_KEY, object_entry
 from gpufeed.pack.members import MemberTable
 from gpufeed.pack.shards import ShardBuffers, ShardTask, write_shard
 from tests.cli.test_cli import fails, ok
+from tests.client.test_forked_reads import in_forked_child
 from tests.conftest import Bucket
+from tests.writes.test_appender import eventually
 
 
 def files_in(bucket: Bucket, prefix: str, count: int, seed: int = 0) -> dict[str, bytes]:
@@ -227,13 +230,8 @@ def test_members_are_a_member_table_and_the_manifest_pins_the_index(bucket: Buck
     assert [f.path for f in ns.ls("/as-files")] == [f"/as-files/{DIR}"], "a raw view shows the pack itself"
 
 
-def _read_in_child(paths: list[str], out: Any) -> None:
-    out.put([hashlib.sha256(v).hexdigest() for v in gpufeed.client().read_files(paths)])
-
-
-def test_forked_worker_reads_a_sparse_batch_of_members(bucket: Bucket) -> None:
-    """A DataLoader worker forked from a process that used obstore reads random members of
-    different shard blocks (a batch the parent would read around) through the agent."""
+def _packed_members(bucket: Bucket) -> dict[str, bytes]:
+    """200 members of 50 KB packed in 8 MiB shards and mounted at /p, by a process that used obstore."""
     rng = random.Random(5)
     raw = {f"f/{n:03d}.bin": rng.randbytes(50_000) for n in range(200)}
     for key, data in raw.items():
@@ -242,18 +240,30 @@ def test_forked_worker_reads_a_sparse_batch_of_members(bucket: Bucket) -> None:
     ns.add_mount("/raw", f"{bucket.url}/raw", {"endpoint": bucket.endpoint})
     ok("pack", "/raw", f"{bucket.url}/p", "--shard-size", "8MiB", *opts(bucket))
     ns.add_mount("/p", f"{bucket.url}/p", {"endpoint": bucket.endpoint})
+    return raw
+
+
+def test_forked_worker_reads_a_sparse_batch_of_members_around_their_blocks(bucket: Bucket) -> None:
+    """A DataLoader worker forked from a process that used obstore reads random members of
+    different shard blocks (a sparse batch) without waiting for those blocks: the agent reads
+    the members' ranges for it, only their bytes, and caches the blocks for later reads."""
+    raw = _packed_members(bucket)
     keys = ["f/000.bin", "f/090.bin", "f/180.bin"]  # one in each 4 MiB block
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    child = context.Process(target=_read_in_child, args=([f"/p/{k}" for k in keys], results))
-    child.start()
-    try:
-        got = results.get(timeout=60)
-    finally:
-        child.join(timeout=5)
-        if child.is_alive():
-            child.kill()
-    assert got == [sha(raw[k]) for k in keys]
+    hashes, source_bytes, direct_bytes = in_forked_child([f"/p/{k}" for k in keys])
+    assert hashes == [sha(raw[k]) for k in keys]
+    assert (source_bytes, direct_bytes) == (3 * 50_000, 0), "the members' bytes, read by the agent, not whole blocks"
+    client = gpufeed.client()
+    eventually(lambda: all(n == 50_000 for k in keys for _, n in client.cached_bytes(f"/p/{k}")), "the hinted blocks cached")
+    assert [sha(bytes(v)) for v in client.read_files([f"/p/{k}" for k in keys])] == [sha(raw[k]) for k in keys]
+    assert client.source_bytes == 0, "the hinted blocks are cached: hits"
+
+
+def test_forked_worker_reading_around_a_deleted_shard_names_the_member(bucket: Bucket) -> None:
+    _packed_members(bucket)
+    for key in shard_keys(bucket, "p"):
+        bucket.delete(key)
+    got = in_forked_child(["/p/f/000.bin", "/p/f/090.bin"])
+    assert isinstance(got, str) and re.match(r"ObjectMissing: /p/f/(000|090)\.bin: deleted at the source", got), got
 
 
 def test_repack_after_a_change_and_refresh_the_packed_mount(

@@ -18,7 +18,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 import xxhash
 
@@ -28,7 +28,7 @@ from gpufeed.agent.metrics import Metrics
 from gpufeed.agent.sessions import Session, Sessions
 from gpufeed.blocks import WHOLE_OBJECT_MAX, BlockId, ObjectBlocks, object_blocks
 from gpufeed.config import Settings
-from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant
+from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant, RangeBytes, RangeWant
 from gpufeed.sources import Source, open_source
 
 log = logging.getLogger("gpufeed.agent")
@@ -111,7 +111,8 @@ class Fetcher:
         self.manager = manager
         self.sessions = sessions
         self.metrics = metrics
-        self.chain: list[BlockSource] = [StoreBlocks(metrics)]
+        self.store = StoreBlocks(metrics)
+        self.chain: list[BlockSource] = [self.store]
         self.inflight: dict[str, asyncio.Future[Status]] = {}
         """Block (or, for objects fetched whole, object) name → the fetch every other wanter joins."""
         self.busy: set[str] = set()
@@ -307,6 +308,34 @@ class Fetcher:
         raise errors.ObjectCorrupted(
             f"{info.key}: the bytes read hash to {algorithm}:{got}, the manifest says {info.content_hash}"
         )
+
+    async def read_ranges(self, groups: list[Group], wanted: list[RangeWant]) -> RangeBytes:
+        """Ranges read from the store in the store's slots and handed back uncached (`ReadRanges`),
+        checked as the source checks a reader's own reads."""
+        objects = [(self.source(group), group, want) for group in groups for want in group.objects]
+        parts: list[bytes | memoryview] = [b""] * len(wanted)
+        failures: list[Failure] = []
+
+        async def one(n: int, asked: RangeWant) -> None:
+            if not 0 <= asked.object < len(objects):
+                raise errors.InvalidArgument(f"range {n} names object {asked.object} of {len(objects)}")
+            source, group, want = objects[asked.object]
+            if not 0 <= asked.start <= asked.end <= want.info.size:
+                where = f"{want.info.key}: range [{asked.start}, {asked.end})"
+                raise errors.InvalidArgument(f"{where} outside its {want.info.size} bytes")
+            try:
+                async with self.store.slots:
+                    began = time.monotonic()
+                    data = await source.get_range_async(want.info.key, asked.start, asked.end, want.info, conditional=want.check)
+            except errors.GpufeedError as exc:
+                failures.append(Failure(exc.code, str(exc), asked.object))
+                self.metrics.errors[exc.code] += 1
+                return
+            self.metrics.fetched(group.mount, "store", len(data), time.monotonic() - began)
+            parts[n] = data
+
+        await asyncio.gather(*(one(n, asked) for n, asked in enumerate(wanted)))
+        return RangeBytes(cast("list[bytes]", parts), failures)  # msgspec sends a memoryview as bytes, uncopied
 
     def prefetch(self, session: Session, jobs: list[Job]) -> None:
         """Queue blocks a job will read soon, fetched in the order asked by at most

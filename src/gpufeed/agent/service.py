@@ -52,6 +52,7 @@ from gpufeed.rpc.messages import (
     Prefetch,
     Queued,
     ReaderUsage,
+    ReadRanges,
     Refused,
     Remove,
     Reply,
@@ -134,6 +135,7 @@ class Agent:
             Stats: self._stats,
             Fetch: self._fetch,
             Prefetch: self._prefetch,
+            ReadRanges: self._read_ranges,
             Cancel: self._cancel,
             Hits: self._hits,
             Clear: self._clear,
@@ -230,6 +232,12 @@ class Agent:
             reply = await self.cluster.blocks.warm(self.fetcher.jobs(request.groups), self.fetcher.fetch_jobs)
         if (reader := self.metrics.readers.get(conn.pid)) is not None:
             reader.fetched_bytes += reply.fetched
+        return reply
+
+    async def _read_ranges(self, request: ReadRanges, conn: Connection) -> Reply:
+        reply = await self.fetcher.read_ranges(request.groups, request.ranges)
+        if (reader := self.metrics.readers.get(conn.pid)) is not None:
+            reader.fetched_bytes += sum(len(part) for part in reply.parts)
         return reply
 
     async def _prefetch(self, request: Prefetch, conn: Connection) -> Reply:
@@ -370,7 +378,7 @@ class Agent:
                 while (request := await (ahead or codec.read_request(reader))) is not None:
                     ahead = None
                     self.last_activity = time.monotonic()
-                    if isinstance(request, Fetch):
+                    if isinstance(request, (Fetch, ReadRanges)):
                         ahead = asyncio.ensure_future(codec.read_request(reader))
                         reply = await self._unless_gone(self.answer(request, conn), ahead)
                         if reply is None:

@@ -1,20 +1,40 @@
 """What a client asks the node agent for: blocks to publish while it waits (a batch's misses, a
-warmup), and blocks to fetch soon (prefetch, and the blocks a sparse batch reads around)."""
+warmup), blocks to fetch soon (prefetch, and the blocks a sparse batch reads around), and,
+for a process that cannot reach a store itself, ranges read for it uncached."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NoReturn
 
 from gpufeed.client.connection import AgentClient, AgentUnavailable
 from gpufeed.client.direct import explained
 from gpufeed.client.handles import ObjectHandle
 from gpufeed.errors import ObjectChanged, ObjectMissing, from_code
 from gpufeed.mount_options import owner_only, source_options
-from gpufeed.rpc.messages import Cancel, Credentials, Done, Fetch, Fetched, Group, ObjectWant, Prefetch, Queued, SourceSpec
+from gpufeed.rpc.messages import (
+    Cancel,
+    Credentials,
+    Done,
+    Failure,
+    Fetch,
+    Fetched,
+    Group,
+    ObjectWant,
+    Prefetch,
+    Queued,
+    RangeBytes,
+    RangeWant,
+    ReadRanges,
+    SourceSpec,
+)
 from gpufeed.sources.credentials import caller_credentials
 
 FETCH_BATCH = 4096
 """Blocks in one agent fetch request; a bigger batch is sent in several."""
+RANGES_BYTES = 32 << 20
+"""Bytes one `ReadRanges` request asks for at most (its reply must stay under the codec's
+MAX_MESSAGE); a bigger batch is sent in several."""
 
 
 class AgentFetches:
@@ -72,18 +92,38 @@ class AgentFetches:
             return {(handle.blocks.oid, index) for handle, blocks, _ in wanted for index in blocks}, 0  # type: ignore[union-attr]
         self.bytes += reply.fetched
         if reply.failures:
-            failure = reply.failures[0]
-            error = from_code(failure.code, failure.message)
-            if failure.object is None:
-                raise error
-            handle = order[failure.object]
-            if isinstance(error, (ObjectMissing, ObjectChanged)):
-                raise explained(handle.path, handle.mount.path, error)
-            raise type(error)(f"{handle.path}: {error}")
+            _raise(reply.failures[0], order)
         uncached = {(order[number].blocks.oid, index) for number, index in reply.uncached}  # type: ignore[union-attr]
         if uncached:
             self._warn("uncached", f"the cache in {self.agent.primary} cannot hold more blocks; reading uncached")
         return uncached, reply.fetched
+
+    def ranges(self, reads: list[tuple[ObjectHandle, int, int]]) -> list[memoryview]:
+        """Bytes [start, end) of each handle's object, read by the agent from the store and handed
+        back uncached (`ReadRanges`), pinned and checked as this process would read them. Each
+        range is at most RANGES_BYTES. Raises AgentUnavailable, or a failed range's error naming
+        its file."""
+        out: list[memoryview] = []
+        batch: list[tuple[ObjectHandle, int, int]] = []
+        size = 0
+        for read in reads:
+            if batch and size + read[2] - read[1] > RANGES_BYTES:
+                out += self._ranges_once(batch)
+                batch, size = [], 0
+            batch.append(read)
+            size += read[2] - read[1]
+        return out + self._ranges_once(batch) if batch else out
+
+    def _ranges_once(self, reads: list[tuple[ObjectHandle, int, int]]) -> list[memoryview]:
+        handles = list({id(handle): handle for handle, _, _ in reads}.values())
+        groups, order = self._groups([(handle, [], []) for handle in handles])
+        number = {id(handle): n for n, handle in enumerate(order)}
+        wanted = [RangeWant(number[id(handle)], start, end) for handle, start, end in reads]
+        reply = self.agent.request(ReadRanges(groups, wanted), RangeBytes)
+        if reply.failures:
+            _raise(reply.failures[0], order)
+        self.bytes += sum(len(part) for part in reply.parts)
+        return [memoryview(part) for part in reply.parts]
 
     @staticmethod
     def _groups(wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> tuple[list[Group], list[ObjectHandle]]:
@@ -92,7 +132,6 @@ class AgentFetches:
         groups: dict[tuple[str, str, str], tuple[Group, list[ObjectHandle]]] = {}
         for handle, blocks, repair in wanted:
             info, mount = handle.info, handle.mount
-            assert handle.blocks is not None
             options = source_options(mount)
             key = (mount.url, repr(sorted(options.items())), mount.path)
             if key not in groups:
@@ -100,5 +139,17 @@ class AgentFetches:
                 groups[key] = (Group(SourceSpec(mount.url, options), [], credentials, mount.path, owner_only(mount)), [])
             group, members = groups[key]
             members.append(handle)
-            group.objects.append(ObjectWant(info, not mount.immutable, handle.blocks.block_size, blocks, repair))
+            block_size = handle.blocks.block_size if handle.blocks is not None else 0  # none: ranges only
+            group.objects.append(ObjectWant(info, not mount.immutable, block_size, blocks, repair))
         return [group for group, _ in groups.values()], [h for _, members in groups.values() for h in members]
+
+
+def _raise(failure: Failure, order: list[ObjectHandle]) -> NoReturn:
+    """The agent's failure as the error a reader gets, naming the file of the object it is about."""
+    error = from_code(failure.code, failure.message)
+    if failure.object is None:
+        raise error
+    handle = order[failure.object]
+    if isinstance(error, (ObjectMissing, ObjectChanged)):
+        raise explained(handle.path, handle.mount.path, error)
+    raise type(error)(f"{handle.path}: {error}")

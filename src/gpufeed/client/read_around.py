@@ -1,10 +1,10 @@
 """Reading around: which missing blocks a sparse batch of reads takes straight from the
 source (the bytes it wants, not the blocks) while the agent caches the blocks for later reads
-(`plan.SPARSE_FACTOR`), and for how long a process keeps doing so for one block."""
+(`plan.SPARSE_FACTOR`), and for how long a process keeps doing so for one block. A forked
+DataLoader worker reads around too: the agent reads its ranges (`client.direct`)."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -21,21 +21,6 @@ later is queued behind others because the store's bandwidth is short: reading ra
 it would take that bandwidth from the blocks, and the cache would never warm."""
 READ_AROUND_MEMORY = 65536
 """Blocks a client remembers having read around."""
-
-_forked = False
-"""True in a forked child (a DataLoader worker). obstore's runtime does not survive a fork: a
-network call made in the child of a process that used obstore never completes (measured with
-obstore 0.12, sync and async alike). Such a process never reads around: it waits for the
-agent, a process of its own, which fetches the blocks."""
-
-
-def _after_fork_in_child() -> None:
-    global _forked
-    _forked = True
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
 
 class ReadAround:
     """The blocks one client has read around, and since when."""
@@ -55,8 +40,6 @@ class ReadAround:
         source; the caller asks the agent to cache them and waits for the rest. A block is read
         around for READ_AROUND_S after this process first did so; later reads of it wait for
         the agent."""
-        if _forked:
-            return set()
         now = time.monotonic()
         since = self._since
         fresh = {

@@ -22,7 +22,7 @@ from gpufeed.cache import blockfile
 from gpufeed.client import plan
 from gpufeed.client.connection import AgentClient, HitReporter
 from gpufeed.client.direct import DirectReads, explained
-from gpufeed.client.fetches import AgentFetches
+from gpufeed.client.fetches import RANGES_BYTES, AgentFetches
 from gpufeed.client.file import FeedFile
 from gpufeed.client.handles import Handles, ObjectHandle
 from gpufeed.client.read_around import ReadAround
@@ -75,8 +75,8 @@ class Client:
         self._warn_once = _warner()
         self._session = f"reads-{os.getpid()}-{id(self):x}"
         self.handles = Handles(self.namespace, self.agent, self.hits, self._warn_once)
-        self.direct = DirectReads()
         self.fetches = AgentFetches(self.agent, self._warn_once)
+        self.direct = DirectReads(self.fetches.ranges, RANGES_BYTES)
         self.read_around = ReadAround()
 
     @property

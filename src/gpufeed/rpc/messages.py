@@ -87,6 +87,24 @@ class Prefetch(msgspec.Struct, tag="prefetch"):
     prefetch lead in samples (0: the sender does not count samples)."""
 
 
+class RangeWant(msgspec.Struct, array_like=True):
+    """Bytes [start, end) of the object numbered `object` in its request (across groups, in order)."""
+
+    object: int
+    start: int
+    end: int
+
+
+class ReadRanges(msgspec.Struct, tag="read_ranges"):
+    """Object ranges read straight from their stores and handed back, never cached: for a reader
+    that cannot reach a store itself (a forked DataLoader worker: obstore's runtime does not
+    survive a fork) and reads around blocks or past a full cache. The groups name the objects;
+    their `blocks` lists are empty."""
+
+    groups: list[Group]
+    ranges: list[RangeWant]
+
+
 class Cancel(msgspec.Struct, tag="cancel"):
     session: str
 
@@ -157,7 +175,9 @@ class Remove(msgspec.Struct, tag="remove"):
     credentials: Credentials = msgspec.field(default_factory=Credentials)
 
 
-Request = Hello | Stats | Fetch | Prefetch | Cancel | Hits | Clear | Shutdown | Metrics | Usage | Commit | Sync | Remove
+Request = (
+    Hello | Stats | Fetch | Prefetch | ReadRanges | Cancel | Hits | Clear | Shutdown | Metrics | Usage | Commit | Sync | Remove
+)
 
 
 class AgentInfo(msgspec.Struct, tag="info"):
@@ -246,6 +266,13 @@ class Fetched(msgspec.Struct, tag="fetched"):
     """Bytes this request made the agent read from stores."""
 
 
+class RangeBytes(msgspec.Struct, tag="range_bytes"):
+    """The reply to `ReadRanges`: each range's bytes, in the order asked (empty where it failed)."""
+
+    parts: list[bytes]
+    failures: list[Failure]
+
+
 class Queued(msgspec.Struct, tag="queued"):
     queued: int
     latency_s: float
@@ -280,7 +307,7 @@ class Synced(msgspec.Struct, tag="synced"):
     """Uploads that failed and are still retried (their staged bytes are kept), one per object."""
 
 
-Reply = AgentInfo | Fetched | Queued | Cleared | Done | Refused | MetricsText | UsageInfo | Committed | Synced
+Reply = AgentInfo | Fetched | RangeBytes | Queued | Cleared | Done | Refused | MetricsText | UsageInfo | Committed | Synced
 
 
 class PeerFetch(msgspec.Struct, tag="peer_fetch"):
