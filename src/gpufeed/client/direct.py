@@ -3,14 +3,13 @@ manifest allow: what a read falls back to when nothing can cache (the cache off 
 agent), what a sparse batch reads around the blocks it asked the agent for, and the one pass of
 `gpufeed pack` and `gpufeed verify`.
 
-A forked process (a DataLoader worker) has the agent read its remote ranges for it: obstore's
-runtime does not survive a fork, and a network call made in the child of a process that used
-obstore never completes (measured with obstore 0.12, sync and async alike)."""
+A process forked from one that used obstore (a DataLoader worker of a script that mounted or
+read a store) has the agent read its remote ranges for it: obstore's runtime does not survive
+a fork (`sources.base.obstore_unusable`)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 
 from gpufeed.aio import run_blocking
@@ -19,6 +18,7 @@ from gpufeed.client.connection import AgentUnavailable
 from gpufeed.client.handles import ObjectHandle
 from gpufeed.errors import ObjectChanged, ObjectMissing
 from gpufeed.paths import since_listed
+from gpufeed.sources.base import obstore_unusable
 
 DIRECT_CONCURRENCY = 64
 """Ranged GETs one batch keeps in flight when it reads from the source itself."""
@@ -26,16 +26,6 @@ DIRECT_CONCURRENCY = 64
 AgentRanges = Callable[[list[tuple[ObjectHandle, int, int]]], list[memoryview]]
 """Ranges the agent reads for this process (`AgentFetches.ranges`)."""
 
-_forked = False
-"""True in a forked child: its remote ranges are read by the agent."""
-
-
-def _after_fork_in_child() -> None:
-    global _forked
-    _forked = True
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def explained(path: str, mount: str, exc: Exception) -> Exception:
@@ -51,7 +41,7 @@ class DirectReads:
         """Bytes this process read from sources itself, not through the agent."""
         self.agent_ranges = agent_ranges
         self.agent_max = agent_max
-        """The longest range the agent reads for a forked process; a longer one is read here."""
+        """The longest range the agent reads for this process; a longer one is read here."""
 
     def many(self, ranges: dict[tuple[int, int], tuple[ObjectHandle, int, int]]) -> dict[tuple[int, int], memoryview]:
         """Source reads. A range of an object the manifest holds a content hash for is cut from
@@ -76,11 +66,11 @@ class DirectReads:
         than handing it to another thread or an event loop."""
         got = {key: self._one(handle, start, end) for key, (handle, start, end) in ranges.items() if handle.source.local}
         remote = [(key, r) for key, r in ranges.items() if not r[0].source.local]
-        if _forked and self.agent_ranges is not None and remote and all(e - s <= self.agent_max for _, (_, s, e) in remote):
+        if self.agent_ranges and remote and obstore_unusable() and all(e - s <= self.agent_max for _, (_, s, e) in remote):
             try:
                 parts = self.agent_ranges([r for _, r in remote])
             except AgentUnavailable:
-                pass  # no agent: read here, as a process that never used obstore can
+                pass  # no agent to ask: read here, as before there was one
             else:
                 for (key, (handle, start, end)), data in zip(remote, parts, strict=True):
                     got[key] = _checked(handle, data, start, end)

@@ -1,7 +1,8 @@
 """Reading around: which missing blocks a sparse batch of reads takes straight from the
 source (the bytes it wants, not the blocks) while the agent caches the blocks for later reads
-(`plan.SPARSE_FACTOR`), and for how long a process keeps doing so for one block. A forked
-DataLoader worker reads around too: the agent reads its ranges (`client.direct`)."""
+(`plan.SPARSE_FACTOR`), and for how long a process keeps doing so for one block. A DataLoader
+worker forked from a process that used obstore reads around too: the agent reads its ranges
+(`client.direct`)."""
 
 from __future__ import annotations
 

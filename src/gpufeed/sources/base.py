@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from gpufeed.errors import InvalidArgument
+
+_obstore_pid: int | None = None
+"""The process that made this process's first obstore store, inherited across forks."""
+
+
+def obstore_started() -> None:
+    """Record that this process made an obstore store, whose runtime then runs in it."""
+    global _obstore_pid
+    if _obstore_pid is None:
+        _obstore_pid = os.getpid()
+
+
+def obstore_unusable() -> bool:
+    """Whether this process was forked from one that used obstore: its runtime does not survive
+    a fork, and a network call made here would never complete (measured with obstore 0.12, sync
+    and async alike)."""
+    return _obstore_pid is not None and _obstore_pid != os.getpid()
 
 
 @dataclass(frozen=True, slots=True)

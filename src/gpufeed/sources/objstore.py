@@ -37,7 +37,7 @@ from gpufeed.errors import (
     SourceUnreachable,
 )
 from gpufeed.sources import retry
-from gpufeed.sources.base import ObjectInfo
+from gpufeed.sources.base import ObjectInfo, obstore_started
 from gpufeed.sources.retry import Retryable
 
 if TYPE_CHECKING:
@@ -97,6 +97,7 @@ class ObstoreSource:
         kind: str = "file",
         settings: Settings | None = None,
     ) -> None:
+        obstore_started()
         self.url = url.rstrip("/")
         self.store = store
         self.endpoint = endpoint
