@@ -27,7 +27,6 @@ AgentRanges = Callable[[list[tuple[ObjectHandle, int, int]]], list[memoryview]]
 """Ranges the agent reads for this process (`AgentFetches.ranges`)."""
 
 
-
 def explained(path: str, mount: str, exc: Exception) -> Exception:
     """Name the namespace path and the way out in a source error about one object."""
     if isinstance(exc, (ObjectMissing, ObjectChanged)):
@@ -70,7 +69,7 @@ class DirectReads:
             try:
                 parts = self.agent_ranges([r for _, r in remote])
             except AgentUnavailable:
-                pass  # no agent to ask: read here, as before there was one
+                pass  # no agent to ask: the store from here is the only way left
             else:
                 for (key, (handle, start, end)), data in zip(remote, parts, strict=True):
                     got[key] = _checked(handle, data, start, end)
