@@ -96,12 +96,16 @@ class StoreBlocks:
         return False
 
     async def read(self, job: Job, start: int, end: int) -> memoryview:
+        return await self.range(job.source, job.want, job.mount, start, end)
+
+    async def range(self, source: Source, want: ObjectWant, mount: str, start: int, end: int) -> memoryview:
+        """Bytes [start, end) of the object, in a slot, counted as a miss of `mount`."""
         async with self.slots:
             began = time.monotonic()
-            data = await job.source.get_range_async(job.want.info.key, start, end, job.want.info, conditional=job.want.check)
-        self.metrics.fetched(job.mount, "store", len(data), time.monotonic() - began)
+            data = await source.get_range_async(want.info.key, start, end, want.info, conditional=want.check)
+        self.metrics.fetched(mount, "store", len(data), time.monotonic() - began)
         if len(data) != end - start:  # the object shrank or grew: never publish a short block
-            raise errors.ObjectChanged(f"{job.want.info.key}: the source returned {len(data)} bytes for [{start}, {end})")
+            raise errors.ObjectChanged(f"{want.info.key}: the source returned {len(data)} bytes for [{start}, {end})")
         return data
 
 
@@ -310,8 +314,8 @@ class Fetcher:
         )
 
     async def read_ranges(self, groups: list[Group], wanted: list[RangeWant]) -> RangeBytes:
-        """Ranges read from the store in the store's slots and handed back uncached (`ReadRanges`),
-        checked as the source checks a reader's own reads."""
+        """Ranges read from the store as blocks are (`StoreBlocks.range`) and handed back uncached
+        (`ReadRanges`)."""
         objects = [(self.source(group), group, want) for group in groups for want in group.objects]
         parts: list[bytes | memoryview] = [b""] * len(wanted)
         failures: list[Failure] = []
@@ -324,15 +328,10 @@ class Fetcher:
                 where = f"{want.info.key}: range [{asked.start}, {asked.end})"
                 raise errors.InvalidArgument(f"{where} outside its {want.info.size} bytes")
             try:
-                async with self.store.slots:
-                    began = time.monotonic()
-                    data = await source.get_range_async(want.info.key, asked.start, asked.end, want.info, conditional=want.check)
+                parts[n] = await self.store.range(source, want, group.mount, asked.start, asked.end)
             except errors.GpufeedError as exc:
                 failures.append(Failure(exc.code, str(exc), asked.object))
                 self.metrics.errors[exc.code] += 1
-                return
-            self.metrics.fetched(group.mount, "store", len(data), time.monotonic() - began)
-            parts[n] = data
 
         await asyncio.gather(*(one(n, asked) for n, asked in enumerate(wanted)))
         return RangeBytes(cast("list[bytes]", parts), failures)  # msgspec sends a memoryview as bytes, uncopied
