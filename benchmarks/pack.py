@@ -35,7 +35,8 @@ deliberately not in the project's extras:
 
 Also: how long a 1,000,000-member pack index takes to decode. And checked, not timed: every
 member of the pack and of Mosaic's MDS copy mounted in place by gpufeed reads back
-byte-identical to its file.
+byte-identical to its file, and every sample of LitData's copy mounted in place to what
+LitData's own reader reads.
 """
 
 from __future__ import annotations
@@ -170,13 +171,21 @@ def same_bytes(mount: str, expected: dict[str, bytes]) -> bool:
 
 
 def check_in_place(work: Path, root: Path) -> None:
-    """The pack and Mosaic's MDS copy of the JPEG set, mounted in place, hold the files' bytes."""
+    """The pack and Mosaic's MDS copy of the JPEG set, mounted in place, hold the files' bytes;
+    LitData's copy mounted in place holds what LitData's own reader reads from it, sample by
+    sample (its workers number the samples, not the file order)."""
+    from litdata import StreamingDataset
+
     files = {p.name: p.read_bytes() for p in sorted(root.iterdir())}
     Namespace().add_mount("/check-pack", f"file://{work / 'jpegs-gpufeed'}")
     Namespace().add_mount("/check-mds", f"file://{work / 'jpegs-mds'}", {"format": "mds"})
+    Namespace().add_mount("/check-litdata", f"file://{work / 'jpegs-litdata'}", {"format": "litdata"})
     mds = {f"{n:08d}.data": data for n, data in enumerate(files.values())}
+    optimized = StreamingDataset(str(work / "jpegs-litdata"))
+    litdata = {f"{n:08d}.0": optimized[n] for n in range(len(optimized))}
     print(f"\nin place: gpufeed pack identical {same_bytes('/check-pack', files)}; "
-          f"Mosaic MDS copy identical {same_bytes('/check-mds', mds)}", flush=True)
+          f"Mosaic MDS copy identical {same_bytes('/check-mds', mds)}; "
+          f"LitData copy ({len(litdata):,} samples) identical {same_bytes('/check-litdata', litdata)}", flush=True)
 
 
 class Gets:

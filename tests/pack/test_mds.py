@@ -71,3 +71,11 @@ def test_compressed_mds_is_refused_in_one_line(bucket: Bucket) -> None:
     bucket.put("z/index.json", json.dumps({"shards": [entry], "version": 2}).encode())
     line = fails(1, "mount", "add", "/z", f"{bucket.url}/z", "--opt", f"endpoint={bucket.endpoint}", "--opt", "format=mds")
     assert "only uncompressed MDS shards can be read in place" in line
+
+
+def test_a_truncated_mds_shard_is_refused_in_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    data = mds_shard([{"image": b"x" * 100, "label": struct.pack("<q", 1), "name": b"a"}])
+    (tmp_path / "shard.00000.mds").write_bytes(data[:-50])
+    (tmp_path / "index.json").write_text(json.dumps({"shards": [shard_entry("shard.00000.mds", data, 1)], "version": 2}))
+    line = fails(1, "mount", "add", "/t", f"file://{tmp_path}", "--opt", "format=mds")
+    assert f"shard.00000.mds: its offsets run past its {len(data) - 50} bytes" in line

@@ -1,0 +1,261 @@
+"""Shard formats other tools write, read in place: what each member is and where its bytes lie
+in its shard, found from the shards' own headers at mount time, never by converting them.
+
+- WebDataset: each `*.tar` at the source root; a member is a regular file of a tar, where it lies
+  comes from the tar headers (for small members, one pass over the tars).
+- Mosaic MDS (`index.json`, uncompressed `.mds` shards): sample n's column c is the file
+  `{n:08d}.{c}`, its bytes the column's encoded bytes, located from the shard's offset table and
+  each sample's size header.
+- LitData optimized directories (`index.json`, uncompressed `chunk-*.bin` of its PyTree layout):
+  sample n's leaf is the file `{n:08d}.{name}`, named by its path in the sample (`image`,
+  `meta.label` for a dict; `0`, `1` for a tuple or a bare value), its bytes the leaf's serialized
+  bytes as LitData wrote them (a JPEG's file bytes, an int's 8 bytes), located from the chunk's
+  offset table and each sample's size header. Sample numbers are LitData's dataset indexes.
+
+Each yields the shards' manifest rows first, then the members in batches (`mounting.listing`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import tarfile
+from collections.abc import Iterator
+from typing import Any
+
+from gpufeed.errors import PackError
+from gpufeed.pack.layout import shard_row
+from gpufeed.sources.base import ObjectInfo, Source
+
+TAR_WINDOW = 4 << 20
+"""Bytes one ranged GET brings while shard headers are read: small members' headers come many to
+a read, a big member's data is skipped."""
+
+
+def webdataset(source: Source) -> Iterator[list[ObjectInfo]]:
+    tars = sorted((info for batch in source.list() for info in batch if info.key.endswith(".tar")), key=lambda i: i.key)
+    if not tars:
+        raise PackError(f"{source.url}: no .tar shards to mount as a WebDataset")
+    yield [shard_row(tar) for tar in tars]
+    seen: dict[str, str] = {}
+    for tar in tars:
+        batch: list[ObjectInfo] = []
+        for name, offset, size, mtime in tar_members(source, tar):
+            if name in seen:
+                raise PackError(f"{source.url}: member {name} is in both {seen[name]} and {tar.key}")
+            seen[name] = tar.key
+            batch.append(ObjectInfo(name, size, mtime, None, None, tar.key, offset, size))
+        yield batch
+
+
+def tar_members(source: Source, tar: ObjectInfo) -> Iterator[tuple[str, int, int, float]]:
+    """(name, data offset, size, mtime) of each regular file in the tar, from its headers."""
+    reader = _Ranged(source, tar)
+    try:
+        with tarfile.open(fileobj=reader, mode="r:") as archive:  # type: ignore[call-overload]
+            for member in archive:
+                if member.isreg():
+                    name = member.name.removeprefix("./")
+                    yield name, member.offset_data, member.size, float(member.mtime)
+    except tarfile.TarError as exc:
+        raise PackError(f"{source.url}/{tar.key}: not a readable tar ({exc})") from None
+
+
+def mds(source: Source) -> Iterator[list[ObjectInfo]]:
+    index, objects = _index_json(source, "MDS")
+    where = f"{source.url}/index.json"
+    try:
+        shards = index["shards"]
+        keys = [shard["raw_data"]["basename"] for shard in shards]
+        for shard in shards:
+            if shard.get("format") != "mds" or shard.get("compression"):
+                raise PackError(f"{where}: only uncompressed MDS shards can be read in place (found {shard.get('compression')})")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise PackError(f"{where}: not an MDS index ({exc!r} missing or malformed)") from None
+    infos = _shards(source, objects, keys, "MDS shard")
+    yield [shard_row(info) for info in infos]
+    first = 0
+    for shard, info in zip(shards, infos, strict=True):
+        yield list(_mds_samples(source, info, shard, first))
+        first += int(shard["samples"])
+
+
+def _mds_samples(source: Source, info: ObjectInfo, shard: dict, first: int) -> Iterator[ObjectInfo]:
+    """One file per column of each sample of one MDS shard: `u32 count, u32 offsets[count + 1]`,
+    then each sample, `u32 size` per variable-size column, then the columns' bytes in order."""
+    names, sizes = shard["column_names"], shard["column_sizes"]
+    variable = [n for n, size in enumerate(sizes) if size is None]
+    reader = _Ranged(source, info)
+    where = f"{source.url}/{info.key}"
+    (count,) = _u32(reader, 1, where)
+    if count != int(shard["samples"]):
+        raise PackError(f"{where}: MDS shard header says {count} samples, index.json {shard['samples']}")
+    offsets = _offsets(reader, count, where)
+    for n in range(count):
+        at = offsets[n]
+        lengths = list(sizes)
+        if variable:
+            reader.seek(at)
+            for column, size in zip(variable, _u32(reader, len(variable), where), strict=True):
+                lengths[column] = size
+        at += 4 * len(variable)
+        if at + sum(lengths) != offsets[n + 1]:
+            raise PackError(f"{where}: MDS sample {first + n} does not fill its offsets")
+        for name, length in zip(names, lengths, strict=True):
+            yield ObjectInfo(f"{first + n:08d}.{name}", length, info.mtime, None, None, info.key, at, length)
+            at += length
+
+
+def litdata(source: Source) -> Iterator[list[ObjectInfo]]:
+    index, objects = _index_json(source, "LitData")
+    where = f"{source.url}/index.json"
+    try:
+        chunks, config = index["chunks"], index["config"]
+        keys = [chunk["filename"] for chunk in chunks]
+        counts = [int(chunk["chunk_size"]) for chunk in chunks]
+        leaves = len(config["data_format"])
+        refused = [f"{name}={config[name]}" for name in ("compression", "compression_level", "encryption") if config.get(name)]
+        if config.get("item_loader", "PyTreeLoader") != "PyTreeLoader":
+            refused.append(f"item_loader={config['item_loader']}")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise PackError(f"{where}: not a LitData index ({exc!r} missing or malformed)") from None
+    if refused:
+        raise PackError(f"{where}: only uncompressed, unencrypted PyTreeLoader chunks can be read in place "
+                        f"(found {', '.join(refused)})")
+    names = leaf_names(config.get("data_spec"), leaves)
+    infos = _shards(source, objects, keys, "LitData chunk")
+    yield [shard_row(info) for info in infos]
+    first = 0
+    for count, info in zip(counts, infos, strict=True):
+        yield list(_litdata_samples(source, info, count, names, first))
+        first += count
+
+
+def _litdata_samples(source: Source, info: ObjectInfo, expected: int, names: list[str], first: int) -> Iterator[ObjectInfo]:
+    """One file per leaf of each sample of one chunk: `u32 count, u32 offsets[count + 1]`, then
+    each sample, `u32 size` per leaf, then the leaves' bytes in order."""
+    reader = _Ranged(source, info)
+    where = f"{source.url}/{info.key}"
+    (count,) = _u32(reader, 1, where)
+    if count != expected:
+        raise PackError(f"{where}: LitData chunk header says {count} samples, index.json {expected}")
+    offsets = _offsets(reader, count, where)
+    if count and offsets[-1] == offsets[0] == 4 * (count + 2):
+        raise PackError(f"{where}: its samples are in an Arrow footer (LitData writes one for dicts of plain values), "
+                        "which cannot be read in place")
+    for n in range(count):
+        reader.seek(offsets[n])
+        sizes = _u32(reader, len(names), where)
+        at = offsets[n] + 4 * len(names)
+        if at + sum(sizes) != offsets[n + 1]:
+            raise PackError(f"{where}: LitData sample {first + n} does not fill its offsets")
+        for name, size in zip(names, sizes, strict=True):
+            yield ObjectInfo(f"{first + n:08d}.{name}", size, info.mtime, None, None, info.key, at, size)
+            at += size
+
+
+def leaf_names(data_spec: object, leaves: int) -> list[str]:
+    """Each leaf's path in a LitData sample (its `data_spec`, a torch pytree spec as JSON): dict
+    keys, list and tuple positions, joined by '.'. Positions `0`…`leaves - 1` where the spec is
+    unreadable, or where a key could not be a file name."""
+    try:
+        _, spec = json.loads(data_spec) if isinstance(data_spec, str) else (None, None)
+        names = [".".join(path) for path in _paths(spec)] if spec is not None else []
+    except (ValueError, TypeError, KeyError):
+        names = []
+    fine = len(names) == leaves and len(set(names)) == leaves and all(names)
+    return names if fine else [str(n) for n in range(leaves)]
+
+
+def _paths(spec: dict[str, Any]) -> Iterator[tuple[str, ...]]:
+    children = spec["children_spec"]
+    if spec["type"] is None or not children:
+        yield ()
+        return
+    keys = json.loads(spec["context"]) if spec["type"] in ("builtins.dict", "collections.OrderedDict") else range(len(children))
+    for key, child in zip(keys, children, strict=True):
+        name = str(key)
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(name)
+        yield from ((name, *rest) for rest in _paths(child))
+
+
+def _index_json(source: Source, kind: str) -> tuple[Any, dict[str, ObjectInfo]]:
+    """A shard set's `index.json`, parsed, and the objects at the source root by key."""
+    objects = {info.key: info for batch in source.list() for info in batch}
+    where = f"{source.url}/index.json"
+    found = objects.get("index.json")
+    if found is None:
+        raise PackError(f"{where}: no {kind} index.json")
+    try:
+        return json.loads(bytes(source.get_range("index.json", 0, found.size, found))), objects
+    except ValueError as exc:
+        raise PackError(f"{where}: not a {kind} index ({exc})") from None
+
+
+def _shards(source: Source, objects: dict[str, ObjectInfo], keys: list[str], kind: str) -> list[ObjectInfo]:
+    missing = [key for key in keys if key not in objects]
+    if missing:
+        raise PackError(f"{source.url}/{missing[0]}: {kind} missing")
+    return [objects[key] for key in keys]
+
+
+def _u32(reader: _Ranged, count: int, where: str) -> tuple[int, ...]:
+    """`count` little-endian u32s at the reader's position: a header that says more than its
+    shard holds fails here, before anything that size is read."""
+    if reader.tell() + 4 * count > reader.size:
+        raise PackError(f"{where}: ends inside a header ({count} numbers at byte {reader.tell()} of {reader.size})")
+    return struct.unpack(f"<{count}I", reader.read(4 * count))
+
+
+def _offsets(reader: _Ranged, count: int, where: str) -> tuple[int, ...]:
+    """A shard's table of where each of its `count` samples starts, and where the last ends."""
+    offsets = _u32(reader, count + 1, where)
+    if offsets[-1] > reader.size:
+        raise PackError(f"{where}: its offsets run past its {reader.size} bytes")
+    return offsets
+
+
+class _Ranged(io.RawIOBase):
+    """A seekable read-only view of one object version, read in TAR_WINDOW ranged GETs."""
+
+    def __init__(self, source: Source, info: ObjectInfo) -> None:
+        super().__init__()
+        self._source, self._info = source, info
+        self._pos = 0
+        self._window = memoryview(b"")
+        self._window_at = 0
+
+    @property
+    def size(self) -> int:
+        return self._info.size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._info.size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        target = memoryview(buffer).cast("B")
+        end = min(self._pos + len(target), self._info.size)
+        if end <= self._pos:
+            return 0
+        at = self._window_at
+        if not (at <= self._pos and end <= at + len(self._window)):
+            stop = min(self._info.size, max(end, self._pos + TAR_WINDOW))
+            self._window = self._source.get_range(self._info.key, self._pos, stop, self._info)
+            self._window_at = at = self._pos
+        count = end - self._pos
+        target[:count] = self._window[self._pos - at : end - at]
+        self._pos = end
+        return count
