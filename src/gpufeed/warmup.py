@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpufeed.processes import alive
+
 if TYPE_CHECKING:
     from gpufeed.client import Client
     from gpufeed.paths import FileStat
@@ -61,13 +63,12 @@ def running(client: Client) -> Iterator[Progress]:
     for entry in sorted(directory.glob("*.json")) if directory.is_dir() else ():
         try:
             progress = Progress(**json.loads(entry.read_text()))
-            os.kill(progress.pid, 0)
-        except ProcessLookupError:
-            entry.unlink(missing_ok=True)
-            continue
         except (OSError, ValueError, TypeError):
             continue
-        yield progress
+        if alive(progress.pid):
+            yield progress
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def warm(

@@ -35,6 +35,7 @@ from gpufeed.config import Settings
 from gpufeed.mount_options import CachePolicy
 from gpufeed.namespace import Namespace
 from gpufeed.paths import normalize
+from gpufeed.processes import alive
 from gpufeed.rpc.messages import Commit, Committed, Credentials, Failure, Remove, SourceSpec, Sync, Synced
 from gpufeed.sources import Source, open_source
 from gpufeed.sources.base import ObjectInfo
@@ -172,7 +173,7 @@ class Uploads:
         for leftover in self.dir.iterdir():
             name = leftover.name
             writer = WRITER_FILE.fullmatch(name)
-            if writer and not _alive(int(writer.group(1))):
+            if writer and not alive(int(writer.group(1))):
                 leftover.unlink(missing_ok=True)
             elif name.endswith(".data") and not self._journal_path(name[: -len(".data")]).exists():
                 leftover.unlink(missing_ok=True)  # renamed, never acknowledged: its journal was not written
@@ -354,14 +355,4 @@ class StagedBlocks:
 
     def only_blocks(self, job: Job) -> bool:
         return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 

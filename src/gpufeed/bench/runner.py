@@ -30,6 +30,7 @@ from gpufeed.client import Client
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
 from gpufeed.namespace import Namespace
+from gpufeed.processes import alive
 
 MOUNT = "/bench"
 
@@ -111,11 +112,10 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
     for stale in base.glob(f"{prefix}*"):
         try:
             owner = int((stale / OWNER).read_text())
-            os.kill(owner, 0)
-        except ProcessLookupError:
-            shutil.rmtree(stale, ignore_errors=True)
         except (OSError, ValueError):
-            continue  # not ours, unreadable, or its owner lives
+            continue  # not ours, or unreadable
+        if not alive(owner):
+            shutil.rmtree(stale, ignore_errors=True)
     path = Path(tempfile.mkdtemp(prefix=prefix))
     (path / OWNER).write_text(str(os.getpid()))
     try:

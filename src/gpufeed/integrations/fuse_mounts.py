@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError
+from gpufeed.processes import alive
 
 
 @dataclass
@@ -237,17 +238,4 @@ def stop(settings: Settings, mountpoint: Path) -> None:
     _unmount(mountpoint, lazy=is_dead(mountpoint))
     pid = found.get("pid") if found else None
     if isinstance(pid, int):
-        wait_until(lambda: not _running(pid), STOP_TIMEOUT_S)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
+        wait_until(lambda: not alive(pid), STOP_TIMEOUT_S)
