@@ -79,3 +79,13 @@ def test_a_truncated_mds_shard_is_refused_in_one_line(tmp_path) -> None:  # type
     (tmp_path / "index.json").write_text(json.dumps({"shards": [shard_entry("shard.00000.mds", data, 1)], "version": 2}))
     line = fails(1, "mount", "add", "/t", f"file://{tmp_path}", "--opt", "format=mds")
     assert f"shard.00000.mds: its offsets run past its {len(data) - 50} bytes" in line
+
+
+def test_a_malformed_mds_index_is_refused_in_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    data = mds_shard([])
+    (tmp_path / "shard.00000.mds").write_bytes(data)
+    entry = shard_entry("shard.00000.mds", data, 0)
+    del entry["column_sizes"]
+    (tmp_path / "index.json").write_text(json.dumps({"shards": [entry], "version": 2}))
+    line = fails(1, "mount", "add", "/m", f"file://{tmp_path}", "--opt", "format=mds")
+    assert line.endswith("index.json: not an MDS index (KeyError: 'column_sizes')")

@@ -68,38 +68,39 @@ def mds(source: Source) -> Iterator[list[ObjectInfo]]:
     try:
         shards = index["shards"]
         keys = [shard["raw_data"]["basename"] for shard in shards]
-        for shard in shards:
-            if shard.get("format") != "mds" or shard.get("compression"):
-                raise PackError(f"{where}: only uncompressed MDS shards can be read in place (found {shard.get('compression')})")
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise PackError(f"{where}: not an MDS index ({exc!r} missing or malformed)") from None
+        columns = [(list(shard["column_names"]), list(shard["column_sizes"])) for shard in shards]
+        if any(len(names) != len(sizes) for names, sizes in columns):
+            raise ValueError("a shard names other columns than it sizes")
+        counts = [int(shard["samples"]) for shard in shards]
+        refused = [shard.get("compression") for shard in shards if shard.get("format") != "mds" or shard.get("compression")]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise PackError(f"{where}: not an MDS index ({type(exc).__name__}: {exc})") from None
+    if refused:
+        raise PackError(f"{where}: only uncompressed MDS shards can be read in place (found {refused[0]})")
     infos = _shards(source, objects, keys, "MDS shard")
     yield [shard_row(info) for info in infos]
     first = 0
-    for shard, info in zip(shards, infos, strict=True):
-        yield list(_mds_samples(source, info, shard, first))
-        first += int(shard["samples"])
+    for (names, sizes), count, info in zip(columns, counts, infos, strict=True):
+        yield list(_mds_samples(source, info, count, names, sizes, first))
+        first += count
 
 
-def _mds_samples(source: Source, info: ObjectInfo, shard: dict, first: int) -> Iterator[ObjectInfo]:
+def _mds_samples(source: Source, info: ObjectInfo, expected: int, names: list[str], sizes: list[int | None],
+                 first: int) -> Iterator[ObjectInfo]:
     """One file per column of each sample of one MDS shard: `u32 count, u32 offsets[count + 1]`,
     then each sample, `u32 size` per variable-size column, then the columns' bytes in order."""
-    names, sizes = shard["column_names"], shard["column_sizes"]
-    variable = [n for n, size in enumerate(sizes) if size is None]
+    variable = sum(size is None for size in sizes)
     reader = _Ranged(source, info)
     where = f"{source.url}/{info.key}"
     (count,) = _u32(reader, 1, where)
-    if count != int(shard["samples"]):
-        raise PackError(f"{where}: MDS shard header says {count} samples, index.json {shard['samples']}")
+    if count != expected:
+        raise PackError(f"{where}: MDS shard header says {count} samples, index.json {expected}")
     offsets = _offsets(reader, count, where)
     for n in range(count):
-        at = offsets[n]
-        lengths = list(sizes)
-        if variable:
-            reader.seek(at)
-            for column, size in zip(variable, _u32(reader, len(variable), where), strict=True):
-                lengths[column] = size
-        at += 4 * len(variable)
+        reader.seek(offsets[n])
+        header = iter(_u32(reader, variable, where))
+        lengths = [size if size is not None else next(header) for size in sizes]
+        at = offsets[n] + 4 * variable
         if at + sum(lengths) != offsets[n + 1]:
             raise PackError(f"{where}: MDS sample {first + n} does not fill its offsets")
         for name, length in zip(names, lengths, strict=True):
@@ -119,7 +120,7 @@ def litdata(source: Source) -> Iterator[list[ObjectInfo]]:
         if config.get("item_loader", "PyTreeLoader") != "PyTreeLoader":
             refused.append(f"item_loader={config['item_loader']}")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise PackError(f"{where}: not a LitData index ({exc!r} missing or malformed)") from None
+        raise PackError(f"{where}: not a LitData index ({type(exc).__name__}: {exc})") from None
     if refused:
         raise PackError(f"{where}: only uncompressed, unencrypted PyTreeLoader chunks can be read in place "
                         f"(found {', '.join(refused)})")
