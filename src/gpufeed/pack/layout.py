@@ -16,8 +16,9 @@ of the mount hide it."""
 INDEX_KEY = f"{DIR}/index"
 SHARDS_DIR = f"{DIR}/shards"
 OBJECTS_DIR = f"{DIR}/objects"
-"""Manifest directory of a packed mount holding one entry per shard (a pack's shard or a
-WebDataset tar): its size and version, which every member read is pinned to."""
+"""Manifest directory of a packed mount holding one entry per shard (a pack's shard, a
+WebDataset tar, an MDS shard, a LitData chunk): its size and version, which every member read
+is pinned to."""
 
 FORMATS = ("auto", "files", "gpufeed-pack", "webdataset", "mds", "litdata")
 """Mount option `format`: auto finds a gpufeed pack index, else plain files."""
