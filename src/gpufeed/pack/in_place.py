@@ -28,6 +28,9 @@ from gpufeed.errors import PackError
 from gpufeed.pack.layout import shard_row
 from gpufeed.sources.base import ObjectInfo, Source
 
+ARROW_ROWS = "its samples are in an Arrow footer (LitData writes one for dicts of plain values), which cannot be read in place"
+"""Why a LitData chunk whose samples take no bytes is refused: newer LitData puts such samples
+in an Arrow table after its (then empty) PyTree body."""
 TAR_WINDOW = 4 << 20
 """Bytes one ranged GET brings while shard headers are read: small members' headers come many to
 a read, a big member's data is skipped."""
@@ -81,28 +84,31 @@ def mds(source: Source) -> Iterator[list[ObjectInfo]]:
     yield [shard_row(info) for info in infos]
     first = 0
     for (names, sizes), count, info in zip(columns, counts, infos, strict=True):
-        yield list(_mds_samples(source, info, count, names, sizes, first))
+        yield list(_samples(source, info, count, names, sizes, first, "MDS"))
         first += count
 
 
-def _mds_samples(source: Source, info: ObjectInfo, expected: int, names: list[str], sizes: list[int | None],
-                 first: int) -> Iterator[ObjectInfo]:
-    """One file per column of each sample of one MDS shard: `u32 count, u32 offsets[count + 1]`,
-    then each sample, `u32 size` per variable-size column, then the columns' bytes in order."""
+def _samples(source: Source, info: ObjectInfo, expected: int, names: list[str], sizes: list[int | None], first: int,
+             kind: str, empty: str = "its samples take no bytes") -> Iterator[ObjectInfo]:
+    """One file per column of each sample of one MDS shard or LitData chunk, both laid out as
+    `u32 count, u32 offsets[count + 1]`, then each sample: a `u32 size` per column whose size
+    the index does not fix, then the columns' bytes in order."""
     variable = sum(size is None for size in sizes)
     reader = _Ranged(source, info)
     where = f"{source.url}/{info.key}"
     (count,) = _u32(reader, 1, where)
     if count != expected:
-        raise PackError(f"{where}: MDS shard header says {count} samples, index.json {expected}")
+        raise PackError(f"{where}: {kind} header says {count} samples, index.json {expected}")
     offsets = _offsets(reader, count, where)
+    if variable and count and offsets[-1] == offsets[0]:
+        raise PackError(f"{where}: {empty}")
     for n in range(count):
         reader.seek(offsets[n])
         header = iter(_u32(reader, variable, where))
         lengths = [size if size is not None else next(header) for size in sizes]
         at = offsets[n] + 4 * variable
         if at + sum(lengths) != offsets[n + 1]:
-            raise PackError(f"{where}: MDS sample {first + n} does not fill its offsets")
+            raise PackError(f"{where}: {kind} sample {first + n} does not fill its offsets")
         for name, length in zip(names, lengths, strict=True):
             yield ObjectInfo(f"{first + n:08d}.{name}", length, info.mtime, None, None, info.key, at, length)
             at += length
@@ -129,31 +135,8 @@ def litdata(source: Source) -> Iterator[list[ObjectInfo]]:
     yield [shard_row(info) for info in infos]
     first = 0
     for count, info in zip(counts, infos, strict=True):
-        yield list(_litdata_samples(source, info, count, names, first))
+        yield list(_samples(source, info, count, names, [None] * len(names), first, "LitData", ARROW_ROWS))
         first += count
-
-
-def _litdata_samples(source: Source, info: ObjectInfo, expected: int, names: list[str], first: int) -> Iterator[ObjectInfo]:
-    """One file per leaf of each sample of one chunk: `u32 count, u32 offsets[count + 1]`, then
-    each sample, `u32 size` per leaf, then the leaves' bytes in order."""
-    reader = _Ranged(source, info)
-    where = f"{source.url}/{info.key}"
-    (count,) = _u32(reader, 1, where)
-    if count != expected:
-        raise PackError(f"{where}: LitData chunk header says {count} samples, index.json {expected}")
-    offsets = _offsets(reader, count, where)
-    if count and offsets[-1] == offsets[0] == 4 * (count + 2):
-        raise PackError(f"{where}: its samples are in an Arrow footer (LitData writes one for dicts of plain values), "
-                        "which cannot be read in place")
-    for n in range(count):
-        reader.seek(offsets[n])
-        sizes = _u32(reader, len(names), where)
-        at = offsets[n] + 4 * len(names)
-        if at + sum(sizes) != offsets[n + 1]:
-            raise PackError(f"{where}: LitData sample {first + n} does not fill its offsets")
-        for name, size in zip(names, sizes, strict=True):
-            yield ObjectInfo(f"{first + n:08d}.{name}", size, info.mtime, None, None, info.key, at, size)
-            at += size
 
 
 def leaf_names(data_spec: object, leaves: int) -> list[str]:
