@@ -68,7 +68,8 @@ def test_litdata_samples_read_in_place(bucket: Bucket) -> None:
         bucket.put(f"ld/{name}", data)
         chunks.append((name, data, len(samples)))
     bucket.put("ld/index.json", index(chunks, spec, ["bytes", "int", "str"]))
-    Namespace().add_mount("/ld", f"{bucket.url}/ld", {"endpoint": bucket.endpoint, "format": "litdata"})
+    _, stats = Namespace().add_mount("/ld", f"{bucket.url}/ld", {"endpoint": bucket.endpoint, "format": "litdata"})
+    assert (stats.files, stats.bytes) == (len(expected), sum(map(len, expected.values())))  # members, not the chunks too
     assert {f.path.removeprefix("/ld/"): f.size for f in gpufeed.walk("/ld")} == {k: len(v) for k, v in expected.items()}
     got = gpufeed.client().read_files([f"/ld/{k}" for k in expected])
     assert [bytes(g) for g in got] == list(expected.values())
@@ -92,6 +93,14 @@ def test_tuples_and_bare_values_are_named_by_position(tmp_path: Path) -> None:
     assert gpufeed.read("/pairs/00000000.1") == b"\x01" * 8
     assert [f.path for f in gpufeed.walk("/bare")] == ["/bare/00000000.0", "/bare/00000001.0"]
     assert gpufeed.read("/bare/00000001.0") == b"second"
+
+
+def test_chunks_without_samples_are_refused_as_empty(tmp_path: Path) -> None:
+    data = chunk([])
+    (tmp_path / "chunk-0-0.bin").write_bytes(data)
+    (tmp_path / "index.json").write_bytes(index([("chunk-0-0.bin", data, 0)], data_spec(LEAF), ["bytes"]))
+    line = fails(1, "mount", "add", "/empty", f"file://{tmp_path}", "--opt", "format=litdata")
+    assert line.endswith(f"file://{tmp_path}: its litdata shards hold no members (--allow-empty mounts it anyway)")
 
 
 def test_leaf_names_fall_back_to_positions_where_a_key_cannot_name_a_file() -> None:

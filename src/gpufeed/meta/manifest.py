@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from gpufeed.meta.base import Entry, MetaEngine, Mount
+from gpufeed.mount_options import packed
+from gpufeed.pack.layout import hidden
 from gpufeed.sources.base import ObjectInfo, Source
 
 WRITE_BATCH = 10_000
@@ -18,7 +20,8 @@ WRITE_BATCH = 10_000
 
 @dataclass
 class ManifestStats:
-    """What a listing produced, and against the previous manifest what it added/changed/removed."""
+    """What a listing produced, and against the previous manifest what it added/changed/removed:
+    the files a reader sees (not the hidden rows recording a packed mount's shards)."""
 
     files: int = 0
     bytes: int = 0
@@ -41,10 +44,11 @@ def usable_key(key: str) -> bool:
 
 
 def entries_from_listing(
-    batches: Iterable[list[ObjectInfo]], stats: ManifestStats, hashes: dict[str, str] | None = None
+    batches: Iterable[list[ObjectInfo]], stats: ManifestStats, hashes: dict[str, str] | None = None, hide: bool = False
 ) -> Iterator[list[Entry]]:
     """File entries plus one entry per implied directory, in batches of about WRITE_BATCH.
-    `hashes` (key -> content hash) is consumed: what is left names no listed object."""
+    `hashes` (key -> content hash) is consumed: what is left names no listed object. With
+    `hide` (a packed mount), the rows of its reserved pack directory are not counted."""
     seen_dirs: set[str] = set()
     out: list[Entry] = []
     for batch in batches:
@@ -66,8 +70,9 @@ def entries_from_listing(
                 else:
                     info = replace(info, content_hash=content_hash)
             out.append(Entry.of(info))
-            stats.files += 1
-            stats.bytes += info.size
+            if not (hide and hidden(parent)):
+                stats.files += 1
+                stats.bytes += info.size
         if len(out) >= WRITE_BATCH:
             yield out
             out = []
@@ -75,7 +80,7 @@ def entries_from_listing(
         yield out
 
 
-def count_changes(old: Iterator[Entry], new: Iterator[Entry], stats: ManifestStats) -> list[Entry]:
+def count_changes(old: Iterator[Entry], new: Iterator[Entry], stats: ManifestStats, hide: bool = False) -> list[Entry]:
     """Merge-join two generations ordered by (parent, name). Returns the new entries that take
     over the content hash of their unchanged (same version) old entry: a hash vouches for one
     version, so a changed object loses it."""
@@ -86,15 +91,15 @@ def count_changes(old: Iterator[Entry], new: Iterator[Entry], stats: ManifestSta
         ka, kb = (a.parent, a.name), (b.parent, b.name)
         if ka == kb:
             if not a.same_version(b):
-                stats.changed += 1
+                stats.changed += not (hide and hidden(b.parent))
             elif a.content_hash is not None and b.content_hash is None:
                 keep.append(b._replace(content_hash=a.content_hash))
             a, b = next(old, sentinel), next(new, sentinel)
         elif a is not sentinel and (b is sentinel or ka < kb):
-            stats.removed += 1
+            stats.removed += not (hide and hidden(a.parent))
             a = next(old, sentinel)
         else:
-            stats.added += 1
+            stats.added += not (hide and hidden(b.parent))
             b = next(new, sentinel)
     stats.kept_hashes = len(keep)
     return keep
@@ -117,9 +122,10 @@ def write_manifest(
     written, so a listing of millions of objects shows progress. `listing` replaces the
     source's own (a packed source lists its members: `pack.mounting`)."""
     stats = ManifestStats()
+    hide = packed(mount)
     generation = engine.new_generation()
     try:
-        for entries in entries_from_listing(source.list() if listing is None else listing, stats, hashes):
+        for entries in entries_from_listing(source.list() if listing is None else listing, stats, hashes, hide):
             engine.put_entries(generation, entries)
             if progress is not None:
                 progress(stats)
@@ -131,7 +137,7 @@ def write_manifest(
         if create:
             stats.added = stats.files
         else:
-            keep = count_changes(engine.walk(mount.generation, ""), engine.walk(generation, ""), stats)
+            keep = count_changes(engine.walk(mount.generation, ""), engine.walk(generation, ""), stats, hide)
             for start in range(0, len(keep), WRITE_BATCH):
                 engine.put_entries(generation, keep[start : start + WRITE_BATCH])
         listed = replace(mount, generation=generation, listed_at=time.time())
