@@ -130,10 +130,10 @@ class Namespace:
 
         def refuse_empty(stats: ManifestStats) -> None:
             if stats.files == 0 and not allow_empty:
-                from gpufeed.sources.stores import nearest_prefix
-
                 if fmt != "files":  # shards were found, or their reader would have said what is missing
                     raise MountError(f"{url}: its {fmt} shards hold no members (--allow-empty mounts it anyway)")
+                from gpufeed.sources.stores import nearest_prefix
+
                 near = nearest_prefix(url, source_options(mount), self.settings)
                 hint = f"; did you mean {near}?" if near else ""
                 raise MountError(f"{url}: no objects under this prefix{hint} (--allow-empty mounts it anyway)")
