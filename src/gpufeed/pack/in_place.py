@@ -102,10 +102,13 @@ def _samples(source: Source, info: ObjectInfo, expected: int, names: list[str], 
     offsets = _offsets(reader, count, where)
     if variable and count and offsets[-1] == offsets[0]:
         raise PackError(f"{where}: {empty}")
+    fixed = [size for size in sizes if size is not None]
     for n in range(count):
-        reader.seek(offsets[n])
-        header = iter(_u32(reader, variable, where))
-        lengths = [size if size is not None else next(header) for size in sizes]
+        lengths = fixed
+        if variable:  # a shard of fixed-size columns has no size header to read
+            reader.seek(offsets[n])
+            header = iter(_u32(reader, variable, where))
+            lengths = [size if size is not None else next(header) for size in sizes]
         at = offsets[n] + 4 * variable
         if at + sum(lengths) != offsets[n + 1]:
             raise PackError(f"{where}: {kind} sample {first + n} does not fill its offsets")
