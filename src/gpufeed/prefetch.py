@@ -7,10 +7,12 @@ of the next window of reads are fetched by the node agent before they are asked 
 
 `ahead` yields the items unchanged and in order. A background thread resolves the upcoming
 reads and sends them to the agent in batches, in order of need; the window is bounded in
-bytes and sized from the measured consume rate times the source latency. Reads already
-consumed are released (their blocks may be evicted again); closing the prefetcher or ending
-the iteration cancels what was not fetched yet. PyTorch datasets, `gpufeed warmup` and
-`gpufeed bench --mode cached` all use this one mechanism.
+bytes and sized from the measured consume rate times the source latency. Each block is asked
+for once, with how many reads of the window need it; later samples of it in the window add
+to that count, so the agent keeps a block until all of them are read (a block-aware shuffle
+reads a block's samples over several batches), then it may be evicted again. Closing the
+prefetcher or ending the iteration cancels what was not fetched yet. PyTorch datasets,
+`gpufeed warmup` and `gpufeed bench --mode cached` all use this one mechanism.
 """
 
 from __future__ import annotations
@@ -50,16 +52,39 @@ class Read:
     end: int | None = None
 
 
+@dataclass(slots=True)
+class Wanted:
+    """A block the window needs: its file's handle, and how many of the window's reads need it."""
+
+    handle: ObjectHandle
+    reads: int
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Blocks one iteration's window wants, and the samples it had asked for ahead of its
+    consumer then."""
+
+    session: str
+    blocks: dict[tuple[str, int], Wanted]
+    ahead: int
+
+
 class Prefetcher:
     def __init__(self, client: Client, *, min_bytes: int = MIN_WINDOW_BYTES, max_bytes: int = MAX_WINDOW_BYTES) -> None:
         self.client = client
         self.min_bytes = min_bytes
         self.max_bytes = max_bytes
         self._handles: collections.OrderedDict[str, ObjectHandle] = collections.OrderedDict()
-        self._queue: queue.Queue[tuple[list[tuple[ObjectHandle, list[int]]], int] | None] = queue.Queue()
-        """Batches of wanted blocks, each with the samples asked for ahead of the consumer then."""
+        self._queue: queue.Queue[Batch | None] = queue.Queue()
+        self._asked: collections.OrderedDict[tuple[str, int], bool] = collections.OrderedDict()
+        """Blocks the sender met lately in its current session: True where it asked the agent
+        for them (later reads of them are added to the count), False where they were on disk
+        already."""
         self._thread: threading.Thread | None = None
-        self._session = f"{id(self):x}-{time.monotonic_ns():x}"
+        self._session = ""
+        """The agent's session of the current iteration: each `ahead` starts its own, as the
+        end of one cancels its session at the agent for good."""
         self.latency_s = DEFAULT_LATENCY_S
         self.errors = 0
         self.requests = 0
@@ -95,26 +120,54 @@ class Prefetcher:
         """Background thread: send the wanted blocks to the agent, in order. What was queued
         while the last request was out goes as one request (a loader that takes a batch of
         indices at once tops the window up sample by sample: a request each would cost the agent
-        a round trip per sample). Blocks already on disk are not asked for again: a warm epoch
-        costs a stat per block here instead of an agent round trip per block."""
-        while (queued := self._queue.get()) is not None:
-            batch, ahead = queued
-            count = sum(len(blocks) for _, blocks in batch)
-            while count < BATCH_BLOCKS:
+        a round trip per sample). A block met for the first time that is on disk already is not
+        asked for, nor are later reads of it: a warm epoch costs a stat per block here instead
+        of an agent round trip per block."""
+        session = ""
+        held: Batch | None = None
+        while (queued := held or self._queue.get()) is not None:
+            held = None
+            if queued.session != session:
+                session = queued.session
+                self._asked.clear()
+            batch, ahead = queued.blocks, queued.ahead
+            while len(batch) < BATCH_BLOCKS:
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if more is None:
                     return  # closed: its prefetch is cancelled, nothing more is sent
-                batch, ahead = batch + more[0], more[1]
-                count += sum(len(blocks) for _, blocks in more[0])
-            missing = [(handle, absent) for handle, blocks in batch if (absent := _not_on_disk(handle, blocks))]
+                if more.session != session:
+                    held = more
+                    break
+                for key, wanted in more.blocks.items():
+                    if key in batch:
+                        batch[key].reads += wanted.reads
+                    else:
+                        batch[key] = wanted
+                ahead = more.ahead
+            missing: list[tuple[ObjectHandle, list[int]]] = []
+            reads: list[list[int]] = []
+            for (oid, block), wanted in batch.items():  # in order of need, which the agent keeps
+                asked = self._asked.get((oid, block))
+                if asked is None:
+                    asked = self._asked[(oid, block)] = _not_on_disk(wanted.handle, block)
+                    while len(self._asked) > RECENT_BLOCKS:
+                        self._asked.popitem(last=False)
+                if not asked:
+                    continue
+                if missing and missing[-1][0] is wanted.handle:  # blocks of one object in a row share an entry
+                    missing[-1][1].append(block)
+                    reads[-1].append(wanted.reads)
+                else:
+                    missing.append((wanted.handle, [block]))
+                    reads.append([wanted.reads])
             if not missing:
                 continue
             try:
                 self.requests += 1
-                reply = self.client.prefetch(missing, self._session, ahead_samples=ahead)
+                reply = self.client.prefetch(missing, session, ahead_samples=ahead, reads=reads)
                 self.latency_s = max(0.001, reply.latency_s)
             except GpufeedError:
                 self.errors += 1  # a prefetch is a hint: the read itself will fetch or fail
@@ -127,6 +180,7 @@ class Prefetcher:
     def ahead(self, items: Iterable[T], read_of: Callable[[T], Read | None]) -> Iterator[T]:
         """Yield `items` in order while the blocks of the upcoming window are fetched ahead."""
         self._start()
+        session = self._session = f"{id(self):x}-{time.monotonic_ns():x}"
         source = iter(items)
         window: collections.deque[tuple[T, int]] = collections.deque()
         pending: collections.deque[tuple[T, Read | None, ObjectHandle | None]] = collections.deque()
@@ -135,13 +189,11 @@ class Prefetcher:
         consumed_bytes = 0
         started = time.monotonic()
         exhausted = False
-        sent: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         try:
             while True:
                 rate = consumed_bytes / max(1e-3, time.monotonic() - started)
                 target = self.window_bytes(rate)
-                batch: list[tuple[ObjectHandle, list[int]]] = []
-                batch_blocks = 0
+                batch: dict[tuple[str, int], Wanted] = {}
                 while not exhausted and (window_bytes < target or not window):
                     if not pending:
                         pending.extend(self._resolved(list(itertools.islice(source, RESOLVE_BATCH)), read_of))
@@ -150,24 +202,21 @@ class Prefetcher:
                             break
                     item, read, handle = pending.popleft()
                     size = 0
-                    if read is not None and handle is not None:
+                    if read is not None and handle is not None and (ref := handle.blocks) is not None:
                         blocks, size = self._blocks(read, handle)
-                        ref = handle.blocks
-                        fresh = [b for b in blocks if (ref.oid, b) not in sent] if ref else []
-                        if ref and fresh:  # samples sharing a block ask for it once (within recent memory)
-                            for block in fresh:
-                                sent[(ref.oid, block)] = None
-                            while len(sent) > RECENT_BLOCKS:
-                                sent.popitem(last=False)
-                            batch.append((handle, fresh))
-                            batch_blocks += len(fresh)
+                        for block in blocks:
+                            wanted = batch.get((ref.oid, block))
+                            if wanted is None:
+                                batch[(ref.oid, block)] = Wanted(handle, 1)
+                            else:
+                                wanted.reads += 1
                     window.append((item, size))
                     window_bytes += size
-                    if batch_blocks >= BATCH_BLOCKS:
-                        self._queue.put((batch, len(window)))
-                        batch, batch_blocks = [], 0
+                    if len(batch) >= BATCH_BLOCKS:
+                        self._queue.put(Batch(session, batch, len(window)))
+                        batch = {}
                 if batch:
-                    self._queue.put((batch, len(window)))
+                    self._queue.put(Batch(session, batch, len(window)))
                 if not window:
                     return
                 item, size = window.popleft()
@@ -175,16 +224,17 @@ class Prefetcher:
                 consumed_bytes += size
                 yield item
         finally:
-            self.client.cancel_prefetch(self._session)
+            self.client.cancel_prefetch(session)
 
     def close(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=5)
             self._thread = None
-        self.client.cancel_prefetch(self._session)
+        if self._session:
+            self.client.cancel_prefetch(self._session)
 
 
-def _not_on_disk(handle: ObjectHandle, blocks: list[int]) -> list[int]:
+def _not_on_disk(handle: ObjectHandle, block: int) -> bool:
     ref = handle.blocks
-    return [block for block in blocks if ref is not None and not os.path.exists(ref.path(block))]
+    return ref is not None and not os.path.exists(ref.path(block))

@@ -195,9 +195,12 @@ def test_pins_are_released_by_the_bytes_they_counted(tmp_path: Path) -> None:
     counted: pinned bytes never leak until prefetch stops for good."""
     fetcher, manager, metrics = parts(tmp_path)
     sessions = fetcher.sessions
-    block = object_blocks("file:///s", {}, ObjectInfo("k", 1 << 20, 1.0, "v"), 1 << 20, True).block(0)
+    (tmp_path / "s").mkdir()
+    info = ObjectInfo("k", 1 << 20, 1.0, "v")
+    block = object_blocks(f"file://{tmp_path / 's'}", {}, info, 1 << 20, True).block(0)
     assert asyncio.run(manager.publish(block, memoryview(b"x" * (1 << 20))))
     session, created = sessions.open("s", True)
+    sessions.announce(session, fetcher.jobs([group(tmp_path / "s", info, [0], 1 << 20)]))
     sessions.pin(session, block.name)
     assert created and sessions.pinned_bytes > 1 << 20
     os.unlink(manager.path(block))

@@ -10,7 +10,7 @@ import pytest
 
 import gpufeed
 from gpufeed.namespace import Namespace
-from gpufeed.prefetch import Prefetcher, Read
+from gpufeed.prefetch import Batch, Prefetcher, Read, Wanted
 from gpufeed.rpc.messages import AgentInfo, Usage, UsageInfo
 
 
@@ -119,12 +119,15 @@ def test_what_was_queued_while_a_request_was_out_goes_as_one_request(files: list
     client = gpufeed.client()
     prefetcher = Prefetcher(client)
     for n, path in enumerate(files[:10], 1):  # queued before the sender runs, as a burst of top-ups
-        prefetcher._queue.put(([(client.handle(path), [0])], n))
+        handle = client.handle(path)
+        assert handle.blocks is not None
+        prefetcher._queue.put(Batch("burst", {(handle.blocks.oid, 0): Wanted(handle, 1)}, n))
     prefetcher._start()
     wait_for(lambda s: s.prefetched == 10, "the ten files")
     assert prefetcher.requests == 1
     assert ahead_samples() == 10, "the request carries the lead of the latest top-up"
     prefetcher.close()
+    client.cancel_prefetch("burst")
 
 
 def test_the_window_looks_its_files_up_a_directory_at_a_time(files: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,3 +150,37 @@ def test_the_window_looks_its_files_up_a_directory_at_a_time(files: list[str], m
     assert sum(batches) == 60 and len(batches) == 1
     handles = client.handle_many(files[::-1])
     assert [h.path for h in handles] == files[::-1] and len(batches) == 1, "remembered handles need no lookup"
+
+
+def test_a_block_stays_pinned_until_every_read_the_window_announced(files: list[str]) -> None:
+    """Three reads of one file in the window: its block is kept for all three, not only the first."""
+    client = gpufeed.client()
+    prefetcher = Prefetcher(client)
+    iterator = prefetcher.ahead([files[0]] * 3 + [files[1]], Read)
+    next(iterator)
+    both = wait_for(lambda s: s.prefetched == 2, "both blocks").pinned_bytes
+    for n in range(3):
+        client.read(files[0])
+        client.hits.flush()
+        assert agent_stats().pinned_bytes == (both if n < 2 else both // 2), f"after {n + 1} of 3 reads"
+    client.read(files[1])
+    client.hits.flush()
+    assert agent_stats().pinned_bytes == 0
+    prefetcher.close()
+
+
+def test_every_iteration_of_one_prefetcher_is_prefetched(files: list[str]) -> None:
+    """Ending an iteration ends its session at the agent for good; the next epoch of the same
+    sampler starts one of its own, so a cache that lost the blocks is filled ahead again."""
+    client = gpufeed.client()
+    prefetcher = Prefetcher(client)
+    for path in prefetcher.ahead(files, Read):
+        client.read(path)
+    client.hits.flush()
+    client.agent.clear()
+    first = agent_stats().prefetched
+    iterator = prefetcher.ahead(files, Read)
+    next(iterator)
+    wait_for(lambda s: s.prefetched == first + 60, "the second epoch's window")
+    iterator.close()
+    prefetcher.close()

@@ -58,6 +58,8 @@ class Job:
     """The mount the reader named (`Group.mount`): misses are counted by it."""
     group: Group | None = None
     """The request's group, which a peer rebuilds the object's store from."""
+    reads: int = 1
+    """For a prefetch: how many of the job's coming reads need the block."""
 
     @property
     def block(self) -> BlockId:
@@ -155,15 +157,22 @@ class Fetcher:
                     raise errors.InvalidArgument(str(exc)) from None
                 if any(not 0 <= i < blocks.count for i in want.blocks):
                     raise errors.InvalidArgument(f"a block index is outside {info.key} ({info.size} bytes)")
-                jobs.extend(Job(number, source, want, blocks, index, group.mount, group) for index in want.blocks)
+                if want.reads and (len(want.reads) != len(want.blocks) or min(want.reads) < 1):
+                    raise errors.InvalidArgument(f"{info.key}: expected a count of reads >= 1 for each block asked for")
+                reads = zip(want.blocks, want.reads or [1] * len(want.blocks), strict=True)
+                jobs.extend(Job(number, source, want, blocks, index, group.mount, group, n) for index, n in reads)
                 number += 1
                 if len(jobs) > MAX_BLOCKS_PER_REQUEST:
                     raise errors.InvalidArgument(f"more than {MAX_BLOCKS_PER_REQUEST} blocks in one request")
         return jobs
 
     async def fetch(self, groups: list[Group]) -> Fetched:
-        """Demand reads: reply once every block is published, known uncached, or failed."""
-        return await self.fetch_jobs(self.jobs(groups))
+        """Demand reads: reply once every block is published, known uncached, or failed. Their
+        reader reads the blocks now, so those a prefetch announced more reads of are kept."""
+        jobs = self.jobs(groups)
+        reply = await self.fetch_jobs(jobs)
+        self.sessions.fetched_for_read(job.block.name for job in jobs)
+        return reply
 
     async def fetch_jobs(self, jobs: list[Job]) -> Fetched:
         reply = Fetched([], [], 0)
@@ -345,32 +354,46 @@ class Fetcher:
         self._prefetches.extend((session, job, asked) for job in jobs)
         session.queued += len(jobs)
         while len(self._prefetchers) < min(PREFETCH_CONCURRENCY, len(self._prefetches)):
-            task = asyncio.create_task(self._prefetcher())
-            self._prefetchers.add(task)
-            task.add_done_callback(self._prefetchers.discard)
+            self._prefetchers.add(asyncio.create_task(self._prefetcher()))
 
     async def _prefetcher(self) -> None:
-        """Fetch queued blocks until none is left."""
-        while self._prefetches:
-            session, job, asked = self._prefetches.popleft()
-            try:
-                await self._prefetch_one(session, job, asked)
-            finally:
-                session.queued -= 1
+        """Fetch queued blocks until none is left. It leaves the set of prefetchers in the same
+        step as it finds the queue empty: one that had finished but was still counted (a done
+        callback runs a step later) would leave blocks queued a moment later with no prefetcher."""
+        try:
+            while self._prefetches:
+                session, job, asked = self._prefetches.popleft()
+                try:
+                    await self._prefetch_one(session, job, asked)
+                finally:
+                    session.queued -= 1
+        finally:
+            task = asyncio.current_task()
+            assert task is not None
+            self._prefetchers.discard(task)
 
     async def _prefetch_one(self, session: Session, job: Job, asked: float) -> None:
-        if session.cancelled or (session.pin and not self.sessions.room_to_pin()):
+        """Fetch one block for a session and pin it, once the pin budget has room for it
+        (`Sessions.reserve`); a hint for blocks read around (an unpinning session) needs none.
+        The block is pinned before its reservation goes, so the budget is never overrun."""
+        length = job.blocks.length(job.index)
+        if not self.sessions.wanted(session, job.block.name):
             return
+        if session.pin and not await self.sessions.reserve(session, length):
+            return
+        status: Status = "uncached"
         try:
             status, fetched = await self.ensure(job)
+            if fetched:
+                self.metrics.prefetch_time(time.monotonic() - asked)
         except Exception as exc:  # a hint that failed: the demand read will fetch or report
             self.metrics.count("prefetch_errors")
             log.debug("prefetch of block %d of %s failed: %s", job.index, job.want.info.key, exc)
-            return
-        if status == "ok":
-            self.sessions.pin(session, job.block.name)
-        if fetched:
-            self.metrics.prefetch_time(time.monotonic() - asked)
+        finally:
+            if status == "ok":
+                self.sessions.pin(session, job.block.name)
+            if session.pin:
+                self.sessions.release(length)
 
 
 def _hexdigest(algorithm: str, data: bytearray) -> str:

@@ -246,7 +246,7 @@ class Agent:
             conn.owned.add(session.name)
         session.ahead_samples = request.ahead_samples
         jobs = self.fetcher.jobs(request.groups)
-        self.fetcher.prefetch(session, jobs)
+        self.fetcher.prefetch(session, self.sessions.announce(session, jobs))
         return Queued(len(jobs), self.metrics.prefetch_s)
 
     async def _cancel(self, request: Cancel, conn: Connection) -> Reply:
@@ -254,7 +254,7 @@ class Agent:
         return Done()
 
     async def _hits(self, request: Hits, conn: Connection) -> Reply | None:
-        self.sessions.hits(request.names)
+        self.sessions.hits(request.names, request.read)
         self.metrics.served(conn.pid, request.served)
         return Done() if request.reply else None
 

@@ -325,6 +325,8 @@ class HitReporter:
         self.names: list[str] = []
         """Blocks read since the last report, by `BlockId.name` (strings: no tuple for
         the collector)."""
+        self.read: list[str] = []
+        """Blocks read since the last report that were not on disk when asked for (`Hits.read`)."""
         self.due = HIT_CHECK_EVERY
         self.tallies: dict[str, Tally] = {}
         """Mount path → its tally; handles hold theirs (`ObjectHandle.tally`)."""
@@ -378,16 +380,19 @@ class HitReporter:
         with self._lock:
             batch = self.names.copy()
             del self.names[: len(batch)]  # names other threads appended meanwhile stay
+            read = self.read.copy()
+            del self.read[: len(read)]
             served = self._served()
             self._sent = time.monotonic()
             self.due = len(self.names) + HIT_CHECK_EVERY
-        if batch or served:
+        if batch or served or read:
             names = " ".join(batch)  # one string: cheap to encode
+            others = " ".join(read)
             try:
                 if wait:
-                    self.agent.request(Hits(names, reply=True, served=served), Done, start=False)
+                    self.agent.request(Hits(names, reply=True, served=served, read=others), Done, start=False)
                 else:
-                    self.agent.notify(Hits(names, served=served))
+                    self.agent.notify(Hits(names, served=served, read=others))
             except AgentUnavailable:
                 pass  # only eviction hints and counts are lost
 

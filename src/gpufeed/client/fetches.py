@@ -46,12 +46,21 @@ class AgentFetches:
         had already asked for is not counted)."""
 
     def prefetch(
-        self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool = True, ahead_samples: int = 0
+        self,
+        wanted: list[tuple[ObjectHandle, list[int]]],
+        session: str,
+        *,
+        pin: bool = True,
+        ahead_samples: int = 0,
+        reads: list[list[int]] | None = None,
     ) -> Queued:
         """Ask the agent to fetch these blocks soon, for prefetch `session`; returns at once.
-        With `pin`, fetched blocks are not evicted until read or until the session ends.
-        Raises AgentUnavailable; see gpufeed.prefetch for the window that calls this."""
-        groups, _ = self._groups([(handle, blocks, []) for handle, blocks in wanted if handle.blocks is not None])
+        With `pin`, fetched blocks are not evicted until read (`reads`: for each entry of
+        `wanted`, how many reads need each of its blocks; one each without it) or until the
+        session ends. Raises AgentUnavailable; see gpufeed.prefetch for the window that calls this."""
+        counts = reads if reads is not None else [[] for _ in wanted]
+        kept = [(handle, blocks, n) for (handle, blocks), n in zip(wanted, counts, strict=True) if handle.blocks is not None]
+        groups, _ = self._groups([(handle, blocks, []) for handle, blocks, _ in kept], [n for *_, n in kept])
         return self.agent.request(Prefetch(session, groups, pin, ahead_samples), Queued)
 
     def cancel(self, session: str) -> None:
@@ -126,11 +135,14 @@ class AgentFetches:
         return [memoryview(part) for part in reply.parts]
 
     @staticmethod
-    def _groups(wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> tuple[list[Group], list[ObjectHandle]]:
+    def _groups(
+        wanted: list[tuple[ObjectHandle, list[int], list[int]]], reads: list[list[int]] | None = None
+    ) -> tuple[list[Group], list[ObjectHandle]]:
         """Agent request groups: per source, the objects and which of their blocks to fetch
-        (and which to repair); and the objects in the order the agent numbers them."""
+        (and which to repair, and for a prefetch how many reads need each); and the objects in
+        the order the agent numbers them."""
         groups: dict[tuple[str, str, str], tuple[Group, list[ObjectHandle]]] = {}
-        for handle, blocks, repair in wanted:
+        for n, (handle, blocks, repair) in enumerate(wanted):
             info, mount = handle.info, handle.mount
             options = source_options(mount)
             key = (mount.url, repr(sorted(options.items())), mount.path)
@@ -140,7 +152,7 @@ class AgentFetches:
             group, members = groups[key]
             members.append(handle)
             block_size = handle.blocks.block_size if handle.blocks is not None else 0  # none: ranges only
-            group.objects.append(ObjectWant(info, not mount.immutable, block_size, blocks, repair))
+            group.objects.append(ObjectWant(info, not mount.immutable, block_size, blocks, repair, reads[n] if reads else []))
         return [group for group, _ in groups.values()], [h for _, members in groups.values() for h in members]
 
 

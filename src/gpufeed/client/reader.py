@@ -222,6 +222,7 @@ class Client:
                 if repair:
                     repairs.append(index)
         waiting_on = [reads[n][0].tally for n, _ in absent]  # one per missing piece: they share the wait
+        self.hits.read.extend(ref.blocks.block(index).name for n, index in absent if (ref := reads[n][0].blocks) is not None)
         started = time.monotonic()
         if blocks:
             around = self.read_around.blocks(reads, absent, blocks)
@@ -309,10 +310,16 @@ class Client:
         return sizes
 
     def prefetch(
-        self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool = True, ahead_samples: int = 0
+        self,
+        wanted: list[tuple[ObjectHandle, list[int]]],
+        session: str,
+        *,
+        pin: bool = True,
+        ahead_samples: int = 0,
+        reads: list[list[int]] | None = None,
     ) -> Queued:
         """Ask the agent to fetch these blocks soon (`AgentFetches.prefetch`); returns at once."""
-        return self.fetches.prefetch(wanted, session, pin=pin, ahead_samples=ahead_samples)
+        return self.fetches.prefetch(wanted, session, pin=pin, ahead_samples=ahead_samples, reads=reads)
 
     def _hint(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> None:
         """Have the agent cache blocks this client reads around; nobody waits for them."""

@@ -40,6 +40,9 @@ class ObjectWant(msgspec.Struct):
     blocks: list[int]
     repair: list[int] = []
     """Blocks the reader found damaged: discard and fetch again."""
+    reads: list[int] = []
+    """In a prefetch, how many of the job's coming reads need each of `blocks` (empty: one
+    each): a pinned block is kept until that many are reported."""
 
 
 class Group(msgspec.Struct):
@@ -126,6 +129,9 @@ class Hits(msgspec.Struct, tag="hits"):
     names: str
     reply: bool = False
     served: list[Served] = []
+    read: str = ""
+    """Blocks read another way (fetched for the read, or read around), one name per piece read:
+    counted against prefetch announcements, not as hits."""
 
 
 class Clear(msgspec.Struct, tag="clear"):
