@@ -43,8 +43,8 @@ from gpufeed.rpc.messages import (
 
 R = TypeVar("R", bound=msgspec.Struct)
 
-HIT_REPORT_BATCH = 512
-HIT_REPORT_INTERVAL_S = 2.0
+HIT_REPORT_BATCH = 128
+HIT_REPORT_INTERVAL_S = 0.25
 HIT_CHECK_EVERY = 32
 START_TIMEOUT_S = 20.0
 START_BACKOFF_S = 10.0
