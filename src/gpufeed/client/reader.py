@@ -222,7 +222,7 @@ class Client:
                 if repair:
                     repairs.append(index)
         waiting_on = [reads[n][0].tally for n, _ in absent]  # one per missing piece: they share the wait
-        self.hits.read.extend(ref.blocks.block(index).name for n, index in absent if (ref := reads[n][0].blocks) is not None)
+        self.hits.read.extend(f"{ref.oid}-{i}" for n, i in absent if (ref := reads[n][0].blocks) is not None)  # BlockId.name
         started = time.monotonic()
         if blocks:
             around = self.read_around.blocks(reads, absent, blocks)
