@@ -185,3 +185,40 @@ def test_readinto_over_many_blocks_fills_the_buffer_with_a_block_missing_from_th
         assert f.readinto(buffer) == len(buffer)
         assert f.readinto(bytearray(1000)) == 50, "short at the end of the file"
     assert bytes(buffer) == body[50:-50]
+
+
+def test_reads_over_many_blocks_are_copied_once_into_one_buffer(tmp_path: Path) -> None:
+    """A read over several cached blocks (a shard read whole, a checkpoint's tensor) copies each
+    block into its one result, handed out as it is: `read_range` returns a view of a bytes
+    of its own, which `FeedFile.read` returns without copying again. With a block missing and
+    another damaged, the bytes are still right and the damaged block is repaired."""
+    root = tmp_path / "big"
+    root.mkdir()
+    block = 1 << 20
+    body = os.urandom(5 * block + 123)
+    (root / "f.bin").write_bytes(body)
+    Namespace().add_mount("/big", f"file://{root}", {"block_size": "1MiB"})
+    client = gpufeed.client()
+    handle = client.handle("/big/f.bin")
+    client.warm(handle)
+    assert handle.blocks is not None
+    for _ in range(2):  # block files not held by this process, then held (from their second read)
+        for start, end in [(0, len(body)), (100, 3 * block + 5), (block, 3 * block), (block - 1, block + 1)]:
+            data = client.read_range(handle, start, end)
+            assert data == body[start:end]
+            assert type(data.obj) is bytes and data.nbytes == len(data.obj), "one buffer, nothing to copy again"
+        with gpufeed.open("/big/f.bin") as f:
+            f.seek(10)
+            assert f.read(2 * block) == body[10 : 10 + 2 * block]
+            assert f.read() == body[10 + 2 * block :]
+    os.unlink(handle.blocks.path(2))
+    damaged = handle.blocks.path(3)
+    with open(damaged, "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        f.write(b"XXXXX")
+    assert client.read_range(handle, 50, len(body) - 50) == body[50:-50]
+    buffer = bytearray(len(body))
+    with gpufeed.open("/big/f.bin") as f:
+        assert f.readinto(buffer) == len(body)
+    assert buffer == body
+    assert Path(damaged).read_bytes()[-5:] == body[4 * block - 5 : 4 * block], "the damaged block was fetched again"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -121,3 +122,42 @@ def test_an_open_reader_survives_unlink(tmp_path: Path) -> None:
     os.unlink(Path(r.path(0)))
     assert os.pread(fd, 5000, header_length(5000)) == data
     os.close(fd)
+
+
+@pytest.mark.parametrize("held", [0, 10], ids=["not held", "held"])
+def test_a_view_is_the_checked_bytes_where_they_lie(tmp_path: Path, held: int) -> None:
+    """`view` hands out a piece of a block without a buffer of its own: from the mapping the
+    process holds, or from one made for this read when the piece is big; a small piece of a
+    file not held is read into a bytes of its own. Damage is found as `read` finds it."""
+    data = os.urandom(2 * blockfile.MAP_FOR_ONE_READ + 1000)
+    DeletionCounter.create(tmp_path)
+    r = BlockRef.of((tmp_path,), identity(len(data)), True, OpenBlocks(tmp_path, held))
+    blockfile.publish(r.path(0), r.blocks.block(0), data)
+    blockfile.read(r, 0, 0, 10)  # a first read: a held file is held from its second one on
+    big = blockfile.view(r, 0, 100, len(data) - 100)
+    assert big == data[100:-100]
+    assert isinstance(big.obj, mmap.mmap), "a big piece is a view of a mapping, held or made for this read"
+    assert (r.path(0) in r.files.held) == bool(held)
+    small = blockfile.view(r, 0, CHUNK + 5, CHUNK + 500)
+    assert small == data[CHUNK + 5 : CHUNK + 500]
+    assert isinstance(small.obj, mmap.mmap if held else bytes)
+    del big, small
+    head = header_length(len(data))
+    with open(Path(r.path(0)), "r+b") as f:
+        f.seek(head + 3 * CHUNK + 7)
+        f.write(bytes([data[3 * CHUNK + 7] ^ 0xFF]))
+    with pytest.raises(CorruptBlock):
+        blockfile.view(r, 0, 0, len(data))
+    assert bytes(blockfile.view(r, 0, 0, CHUNK)) == data[:CHUNK], "the chunks a view lies in are what is checked"
+
+
+def test_whole_chunks_of_a_file_not_held_are_read_into_a_bytes_of_their_own(tmp_path: Path) -> None:
+    """So `as_bytes` (`FeedFile.read`) hands them out without copying them again."""
+    data = os.urandom(3 * CHUNK + 1000)
+    r = ref(tmp_path, len(data))
+    blockfile.publish(r.path(0), r.blocks.block(0), data)
+    for start, end in [(0, 2 * CHUNK), (CHUNK, len(data)), (0, len(data))]:
+        piece = blockfile.read(r, 0, start, end)
+        assert piece == data[start:end]
+        assert type(piece.obj) is bytes and piece.nbytes == len(piece.obj)
+        assert blockfile.as_bytes(piece) is piece.obj

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import mmap
 import os
 import threading
 
@@ -122,6 +123,12 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
 def _read_mapped(held: Held, ref: BlockRef, index: int, head: int, length: int, start: int, end: int) -> memoryview:
     """The wanted bytes copied out of a held block's mapping, the chunks they lie in verified
     in place first (hashing a whole 256 KiB chunk where it lies costs less than copying it)."""
+    return memoryview(bytes(_checked(held, ref, index, head, length, start, end)))
+
+
+def _checked(held: Held, ref: BlockRef, index: int, head: int, length: int, start: int, end: int) -> memoryview:
+    """Bytes [start, end) of a mapped block as a view of its mapping, once its size, header
+    and (with `ref.verify`) the chunks they lie in have been checked there."""
     mapped = held.mapped
     if len(mapped) != head + length or held.map.size() != len(mapped):  # before touching it
         raise CorruptBlock("wrong size")
@@ -132,7 +139,48 @@ def _read_mapped(held: Held, ref: BlockRef, index: int, head: int, length: int, 
         verify(mapped[:head], expected, mapped[head + lo : head + hi], first)
     elif mapped[:HEAD_SIZE] != expected:  # verify=never trusts the bytes, not which block they are
         raise CorruptBlock("header does not match the block's identity or length")
-    return memoryview(bytes(mapped[head + start : head + end]))
+    return mapped[head + start : head + end]
+
+
+MAP_FOR_ONE_READ = 1 << 20
+"""A piece of a block this process does not hold is mapped for `view` from this size on; a
+smaller one costs less read into a buffer of its own."""
+
+
+def view(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
+    """Bytes [start, end) of block `index`, checked as `read` checks them, as a view of the
+    file's mapping: the one this process holds, or one made for this read. For a read over
+    several blocks (a whole shard, a checkpoint's tensor), which copies each view into its
+    one result buffer: each byte is copied once, from the page cache, with no buffer per
+    block in between (a fresh one is mapped and faulted in page by page, which costs more
+    than the copy). Drop the view once copied: it keeps the mapping. A small piece of a file
+    not held is read as `read` reads it."""
+    length = min(ref.object_size - index * ref.block_size, ref.block_size)
+    head = HEAD_SIZE + 8 * (-(-length // CHUNK) or 1)
+    path = f"{ref.prefix}{index}"
+    files = ref.files
+    held = files.held.get(path)
+    opened = held is None
+    if held is None:
+        held = files.open(path)
+        if held is None:
+            if end - start < MAP_FOR_ONE_READ:
+                return read(ref, index, start, end)
+            fd = _open_unheld(files, path)
+            try:
+                held = Held(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
+            except ValueError:  # an empty file cannot be mapped
+                raise CorruptBlock("empty") from None
+            finally:
+                os.close(fd)
+            files.read_unheld(path)
+    try:
+        return _checked(held, ref, index, head, length, start, end)
+    except CorruptBlock:
+        files.forget(path)
+        if not opened:  # a repair may have replaced the damaged file since: read the one there
+            return view(ref, index, start, end)
+        raise
 
 
 def _read_unmapped(fd: int, ref: BlockRef, index: int, head: int, length: int, start: int, end: int) -> memoryview:
@@ -145,6 +193,13 @@ def _read_unmapped(fd: int, ref: BlockRef, index: int, head: int, length: int, s
     hi = -(-end // CHUNK) * CHUNK
     if hi > length:
         hi = length
+    if start == lo and end == hi:  # whole chunks: the data in a bytes of its own, which `as_bytes` hands out as it is
+        header = memoryview(os.pread(fd, head, 0))
+        data = memoryview(os.pread(fd, hi - lo, head + lo))
+        if len(data) != hi - lo:
+            raise CorruptBlock("truncated")
+        verify(header, expected_header(ref.oid, index, length), data, first)
+        return data
     scratch = 2 * (end - start) < hi - lo
     if lo == 0:
         raw = _pread(fd, head + hi, 0, scratch)
