@@ -188,8 +188,8 @@ def test_readinto_over_many_blocks_fills_the_buffer_with_a_block_missing_from_th
 
 
 def test_reads_over_many_blocks_are_copied_once_into_one_buffer(tmp_path: Path) -> None:
-    """A read over several cached blocks (a shard read whole, a checkpoint's tensor) copies each
-    block into its one result, handed out as it is: `read_range` returns a view of a bytes
+    """A read over several blocks (a shard read whole, a checkpoint's tensor), cached or fetched
+    for it, copies each block into its one result, handed out as it is: `read_range` returns a view of a bytes
     of its own, which `FeedFile.read` returns without copying again. With a block missing and
     another damaged, the bytes are still right and the damaged block is repaired."""
     root = tmp_path / "big"
@@ -200,6 +200,9 @@ def test_reads_over_many_blocks_are_copied_once_into_one_buffer(tmp_path: Path) 
     Namespace().add_mount("/big", f"file://{root}", {"block_size": "1MiB"})
     client = gpufeed.client()
     handle = client.handle("/big/f.bin")
+    cold = client.read_range(handle, 100, 3 * block)  # fetched first, then read back
+    assert cold == body[100 : 3 * block]
+    assert type(cold.obj) is bytes and cold.nbytes == len(cold.obj)
     client.warm(handle)
     assert handle.blocks is not None
     for _ in range(2):  # block files not held by this process, then held (from their second read)

@@ -27,13 +27,9 @@ def is_sparse(missing_blocks: int, block_bytes: int, wanted_bytes: int) -> bool:
     return missing_blocks >= 2 and block_bytes >= SPARSE_FACTOR * wanted_bytes
 
 
-def join(parts: Sequence[memoryview], length: int) -> memoryview:
-    """One view of consecutive pieces; a single piece is handed out as it is, without a copy."""
+def join(parts: Sequence[memoryview]) -> memoryview:
+    """One view of consecutive pieces; a single piece is handed out as it is, without a copy,
+    and several are copied once into a bytes of their own (which `as_bytes` hands out as it is)."""
     if len(parts) == 1:
         return parts[0]
-    out = bytearray(length)
-    position = 0
-    for part in parts:
-        out[position : position + len(part)] = part
-        position += len(part)
-    return memoryview(out)
+    return memoryview(b"".join(parts))

@@ -230,6 +230,7 @@ class Client:
         pieces: dict[tuple[int, int], memoryview] = {}
         absent: dict[tuple[int, int], tuple[int, int]] = {}  # (read, block) -> object range
         blocks: dict[str, tuple[ObjectHandle, dict[int, None], list[int]]] = {}
+        joined: set[int] = set()  # reads over several blocks
         for n, (handle, start, end) in enumerate(reads):
             end = min(end, handle.info.size)
             ref = handle.blocks
@@ -238,9 +239,12 @@ class Client:
                     absent[(n, 0)] = (start, end)
                 continue
             size = ref.block_size
+            if end > start and start // size != (end - 1) // size:
+                joined.add(n)
+            read = blockfile.view if n in joined else blockfile.read  # pieces joined are copied once, by the join
             for index, lo, hi in plan.pieces(ref.blocks, start, end):
                 try:
-                    pieces[(n, index)] = blockfile.read(ref, index, lo - index * size, hi - index * size)
+                    pieces[(n, index)] = read(ref, index, lo - index * size, hi - index * size)
                     handle.tally.hits += 1
                     handle.tally.hit_bytes += hi - lo
                     self.hits.record(ref.blocks.block(index).name)
@@ -273,7 +277,8 @@ class Client:
                         continue
                     base = index * ref.block_size
                     try:
-                        pieces[(n, index)] = blockfile.read(ref, index, lo - base, hi - base)
+                        read = blockfile.view if n in joined else blockfile.read
+                        pieces[(n, index)] = read(ref, index, lo - base, hi - base)
                         del absent[(n, index)]
                     except (FileNotFoundError, CorruptBlock):
                         pass  # evicted already (quota smaller than the working set): read through
@@ -290,7 +295,7 @@ class Client:
             return memoryview(b"")
         if handle.blocks is None:
             return pieces[(n, 0)]
-        return plan.join([pieces[(n, index)] for index in handle.blocks.blocks.span(start, end)], end - start)
+        return plan.join([pieces[(n, index)] for index in handle.blocks.blocks.span(start, end)])
 
     def read_uncached(self, reads: Sequence[tuple[ObjectHandle, int, int]]) -> list[memoryview]:
         """Bytes straight from the store, never from the cache, pinned to each handle's version
