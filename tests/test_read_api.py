@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import gpufeed
+from gpufeed.blocks import CHUNK
 from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing
 from gpufeed.namespace import Namespace
 from tests.conftest import Bucket, HttpServer
@@ -123,11 +124,14 @@ def test_deleted_at_source_is_a_clear_error(mounted: Callable) -> None:
 def test_changed_at_source_never_mixes_versions_uncached(source: tuple) -> None:
     url, options, put = source
     Namespace().add_mount("/data", url, {**options, "cache": "off"})
-    with gpufeed.open("/data/dir/2.bin") as f:
+    with gpufeed.open("/data/dir/2.bin") as buffered, gpufeed.open("/data/dir/2.bin") as unbuffered:
+        f = unbuffered.raw  # every read goes to the store
         first = f.read(100)
+        assert buffered.read(100) == first
         put("dir/2.bin", b"X" * len(CONTENT["dir/2.bin"]))
         with pytest.raises(ObjectChanged, match="/data/dir/2.bin: changed at the source"):
             f.read(100)
+        assert buffered.read(100) == CONTENT["dir/2.bin"][100:200], "the whole file was buffered: its version"
     assert first == CONTENT["dir/2.bin"][:100]
     with pytest.raises(ObjectChanged):
         gpufeed.read("/data/dir/2.bin")
@@ -225,3 +229,22 @@ def test_reads_over_many_blocks_are_copied_once_into_one_buffer(tmp_path: Path) 
         assert f.readinto(buffer) == len(body)
     assert buffer == body
     assert Path(damaged).read_bytes()[-5:] == body[4 * block - 5 : 4 * block], "the damaged block was fetched again"
+
+
+def test_lines_and_small_reads_come_from_a_buffer(tmp_path: Path) -> None:
+    """`gpufeed.open` buffers as Python's `open` does: iterating a JSON-lines file reads the
+    cache once per checksum chunk, not once per line (or per byte, as an unbuffered file's
+    `readline` does)."""
+    root = tmp_path / "text"
+    root.mkdir()
+    body = b"".join(b'{"id": %d, "caption": "%s"}\n' % (i, b"x" * (i % 90)) for i in range(20_000))
+    (root / "d.jsonl").write_bytes(body)
+    Namespace().add_mount("/text", f"file://{root}")
+    client = gpufeed.client()
+    client.warm(client.handle("/text/d.jsonl"))
+    with gpufeed.open("/text/d.jsonl") as f:
+        assert list(f) == body.splitlines(keepends=True)
+        reads = f.handle.tally.hits
+        assert reads <= -(-len(body) // CHUNK) + 1, f"{reads} reads of the cache for {len(body)} bytes of lines"
+        f.seek(12345)
+        assert f.read(10) + f.readline() == body[12345 : body.index(b"\n", 12355) + 1]

@@ -18,6 +18,7 @@ import pytest
 
 import gpufeed
 from gpufeed.client import Client, FeedFile
+from gpufeed.client.file import RawFeedFile
 from gpufeed.errors import ObjectChanged, ObjectMissing
 from gpufeed.namespace import Namespace
 from tests.cli.test_cli import fails
@@ -108,18 +109,21 @@ def mount(store: Store, *, cache: bool = True, immutable: bool = False, max_age:
     Namespace().add_mount("/data", store.url, options, immutable=immutable, max_age=max_age)
 
 
-def read_at(f: FeedFile, offset: int, size: int) -> bytes:
+def read_at(f: RawFeedFile | FeedFile, offset: int, size: int) -> bytes:
     f.seek(offset)
     return f.read(size)
 
 
 @pytest.fixture
-def opened() -> Iterator[Callable[[], FeedFile]]:
+def opened() -> Iterator[Callable[[], RawFeedFile]]:
+    """Open files whose every read goes to the read path (`FeedFile.raw`): these tests say which
+    reads the cache serves and which the store must; a buffered file serves a read its buffer
+    holds from there (`test_a_buffered_file_reads_only_its_version`)."""
     files: list[FeedFile] = []
 
-    def open_() -> FeedFile:
-        files.append(gpufeed.open(PATH))
-        return files[-1]
+    def open_() -> RawFeedFile:
+        files.append(gpufeed.open(PATH))  # kept: a buffered file closes its raw file when collected
+        return files[-1].raw
 
     yield open_
     for f in files:
@@ -180,6 +184,19 @@ def test_strict_cli_prints_one_line_naming_the_path(store: Store) -> None:
     store.replace(NEW)
     line = fails(1, "cat", PATH)
     assert PATH in line and "changed at the source" in line and "gpufeed mount refresh /data" in line
+
+
+def test_a_buffered_file_reads_only_its_version(store: Store) -> None:
+    """What `gpufeed.open` returns buffers up to a block (here): a read its buffer holds is
+    served from there, bytes of the version it opened, and a read past it that needs the store
+    fails. Old bytes or a clear error, never a mix, as for the unbuffered file."""
+    mount(store)
+    with gpufeed.open(PATH) as f:
+        assert read_at(f, 0, 100) == OLD[:100]
+        store.replace(NEW)
+        assert read_at(f, 100, BLOCK - 100) == OLD[100:BLOCK], "from the buffer: the version opened"
+        with pytest.raises(ObjectChanged, match=rf"{PATH}: changed at the source"):
+            read_at(f, BLOCK - 50, 100)
 
 
 # -- --immutable: a promise by the user; reads are not conditional ---------------------------

@@ -7,6 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 from gpufeed import arguments
+from gpufeed.blocks import CHUNK
 from gpufeed.cache import blockfile
 
 if TYPE_CHECKING:
@@ -14,9 +15,29 @@ if TYPE_CHECKING:
     from gpufeed.client.reader import Client
 
 
-class FeedFile(io.RawIOBase):
-    """A read-only binary file over one object version. `read()` with no size fetches the rest
-    in one request; `readinto` fills the caller's buffer without an intermediate bytes object."""
+class FeedFile(io.BufferedReader):
+    """What `gpufeed.open(path)` returns: a read-only binary file over one object version,
+    buffered as Python's own `open(path, "rb")` is, so lines, `tarfile`'s headers or `pickle`'s
+    small reads cost a copy from the buffer, not a read of the cache each. The buffer is one
+    checksum chunk (a raw read checks whole chunks anyway), or one block where blocks are
+    smaller, so filling it never fetches more than the block read from; a read at least that
+    big goes straight into the caller's buffer (`RawFeedFile.readinto`), and `read()` fetches
+    the rest in one request. Every byte is of the version the file opened, buffered or not;
+    `raw` is the unbuffered file, whose every read goes to the read path."""
+
+    def __init__(self, client: Client, handle: ObjectHandle) -> None:
+        blocks = handle.blocks
+        super().__init__(RawFeedFile(client, handle), buffer_size=CHUNK if blocks is None else min(CHUNK, blocks.block_size))
+        self.handle = handle
+
+    @property
+    def size(self) -> int:
+        return self.handle.size
+
+
+class RawFeedFile(io.RawIOBase):
+    """The unbuffered file under `FeedFile`: every read goes to the read path. `readinto`
+    fills the caller's buffer without an intermediate bytes object."""
 
     def __init__(self, client: Client, handle: ObjectHandle) -> None:
         super().__init__()
