@@ -135,15 +135,10 @@ class Client:
         if end <= start:
             return 0
         lo, hi = handle.extent(start, end)
-        ref = handle.blocks
         at = lo
-        if ref is not None and (hi - lo >= blockfile.MAP_FOR_ONE_READ or lo // ref.block_size != (hi - 1) // ref.block_size):
-            for view in self._hit_views(handle, lo, hi):
-                target[at - lo : at - lo + len(view)] = view
-                at += len(view)
-        elif (hit := self._hit(handle, lo, hi)) is not None:  # a small read in one block: the hit path
-            target[: len(hit)] = hit
-            at += len(hit)
+        for view in self._hit_views(handle, lo, hi):
+            target[at - lo : at - lo + len(view)] = view
+            at += len(view)
         if at < hi:
             rest = self._read_misses([(handle, at, hi)])[0]
             target[at - lo : at - lo + len(rest)] = rest
