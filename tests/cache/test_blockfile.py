@@ -161,3 +161,30 @@ def test_whole_chunks_of_a_file_not_held_are_read_into_a_bytes_of_their_own(tmp_
         assert piece == data[start:end]
         assert type(piece.obj) is bytes and piece.nbytes == len(piece.obj)
         assert blockfile.as_bytes(piece) is piece.obj
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "verify=never"])
+@pytest.mark.parametrize("held", [0, 10], ids=["not held", "held"])
+def test_a_read_into_a_target_checks_what_lands_there(tmp_path: Path, held: int, verify: bool) -> None:
+    """With a caller's buffer, `read` copies the bytes there once (from the mapping, or by a
+    pread straight into it for whole chunks of a file not held) and checks them as it checks
+    its own; a damaged or truncated block is a CorruptBlock, never bytes in the buffer."""
+    data = os.urandom(3 * CHUNK + 1000)
+    DeletionCounter.create(tmp_path)
+    r = BlockRef.of((tmp_path,), identity(len(data)), verify, OpenBlocks(tmp_path, held))
+    blockfile.publish(r.path(0), r.blocks.block(0), data)
+    for start, end in [(0, len(data)), (0, CHUNK), (CHUNK, 3 * CHUNK), (7, CHUNK + 9), (3 * CHUNK, len(data))]:
+        target = memoryview(bytearray(end - start))
+        assert blockfile.read(r, 0, start, end, target) is target
+        assert target == data[start:end]
+    head = header_length(len(data))
+    if verify:
+        with open(Path(r.path(0)), "r+b") as f:
+            f.seek(head + CHUNK + 1)
+            f.write(bytes([data[CHUNK + 1] ^ 0xFF]))
+        with pytest.raises(CorruptBlock):
+            blockfile.read(r, 0, CHUNK, 2 * CHUNK, memoryview(bytearray(CHUNK)))
+    r.files.close()
+    os.truncate(Path(r.path(0)), head + 2 * CHUNK)
+    with pytest.raises(CorruptBlock):
+        blockfile.read(r, 0, 2 * CHUNK, 3 * CHUNK, memoryview(bytearray(CHUNK)))

@@ -86,17 +86,22 @@ def as_bytes(view: memoryview) -> bytes:
     return whole if type(whole) is bytes and len(whole) == view.nbytes else bytes(view)
 
 
-def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
+def read(ref: BlockRef, index: int, start: int, end: int, target: memoryview | None = None) -> memoryview:
     """Bytes [start, end) of block `index` (offsets within the block). Raises FileNotFoundError
     on a miss and CorruptBlock when the file is damaged; with `ref.verify` the chunks read are
     checked against their checksums. This is the cache hit path, so it is written with few
-    calls."""
+    calls. With a `target` (end - start bytes, a caller's buffer) the bytes are copied there
+    once, from the mapping or by a pread straight into it, and `target` is returned."""
     length = ref.object_size - index * ref.block_size
     if length > ref.block_size:
         length = ref.block_size
     path = f"{ref.prefix}{index}"
     if length <= CHUNK and ref.verify:  # one chunk (every small object): two preads, no chunk arithmetic
-        return read_one_chunk(ref.files, path, length, expected_header(ref.oid, index, length))[start:end]
+        data = read_one_chunk(ref.files, path, length, expected_header(ref.oid, index, length))[start:end]
+        if target is None:
+            return data
+        target[:] = data
+        return target
     head = HEAD_SIZE + 8 * (-(-length // CHUNK) or 1)
     files = ref.files
     held = files.held.get(path)
@@ -106,29 +111,28 @@ def read(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
         if held is None:
             fd = _open_unheld(files, path)
             try:
-                data = _read_unmapped(fd, ref, index, head, length, start, end)
+                data = _read_unmapped(fd, ref, index, head, length, start, end, target)
             finally:
                 os.close(fd)
             files.read_unheld(path)
             return data
     try:
-        return _read_mapped(held, ref, index, head, length, start, end)
+        checked = _checked(held, ref, index, head, length, start, end)
     except CorruptBlock:
         files.forget(path)
         if not opened:  # a repair may have replaced the damaged file since: read the one there
-            return read(ref, index, start, end)
+            return read(ref, index, start, end, target)
         raise
-
-
-def _read_mapped(held: Held, ref: BlockRef, index: int, head: int, length: int, start: int, end: int) -> memoryview:
-    """The wanted bytes copied out of a held block's mapping, the chunks they lie in verified
-    in place first (hashing a whole 256 KiB chunk where it lies costs less than copying it)."""
-    return memoryview(bytes(_checked(held, ref, index, head, length, start, end)))
+    if target is None:
+        return memoryview(bytes(checked))
+    target[:] = checked
+    return target
 
 
 def _checked(held: Held, ref: BlockRef, index: int, head: int, length: int, start: int, end: int) -> memoryview:
     """Bytes [start, end) of a mapped block as a view of its mapping, once its size, header
-    and (with `ref.verify`) the chunks they lie in have been checked there."""
+    and (with `ref.verify`) the chunks they lie in have been checked there (hashing a whole
+    256 KiB chunk where it lies costs less than copying it)."""
     mapped = held.mapped
     if len(mapped) != head + length or held.map.size() != len(mapped):  # before touching it
         raise CorruptBlock("wrong size")
@@ -183,24 +187,28 @@ def view(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
         raise
 
 
-def _read_unmapped(fd: int, ref: BlockRef, index: int, head: int, length: int, start: int, end: int) -> memoryview:
+def _read_unmapped(
+    fd: int, ref: BlockRef, index: int, head: int, length: int, start: int, end: int, target: memoryview | None
+) -> memoryview:
+    """Bytes [start, end) of a block file not held, open at `fd`: whole chunks (and, with a
+    `target`, any bytes verify=never trusts) are read straight into a bytes of their own or
+    into `target`; a piece of a chunk lands in this thread's scratch buffer first."""
+    expected = expected_header(ref.oid, index, length)
     if not ref.verify:  # trust the bytes, not their length or which block they are
-        if os.fstat(fd).st_size != head + length or os.pread(fd, HEAD_SIZE, 0) != expected_header(ref.oid, index, length):
+        if os.fstat(fd).st_size != head + length or os.pread(fd, HEAD_SIZE, 0) != expected:
             raise CorruptBlock("header does not match the block's identity or length")
-        return memoryview(os.pread(fd, end - start, head + start))
+        return _pread_exact(fd, end - start, head + start, target)
     first = start // CHUNK
     lo = first * CHUNK
     hi = -(-end // CHUNK) * CHUNK
     if hi > length:
         hi = length
-    if start == lo and end == hi:  # whole chunks: the data in a bytes of its own, which `as_bytes` hands out as it is
+    if start == lo and end == hi:  # whole chunks: checked where they land (`as_bytes` hands a bytes out as it is)
         header = memoryview(os.pread(fd, head, 0))
-        data = memoryview(os.pread(fd, hi - lo, head + lo))
-        if len(data) != hi - lo:
-            raise CorruptBlock("truncated")
-        verify(header, expected_header(ref.oid, index, length), data, first)
+        data = _pread_exact(fd, hi - lo, head + lo, target)
+        verify(header, expected, data, first)
         return data
-    scratch = 2 * (end - start) < hi - lo
+    scratch = target is not None or 2 * (end - start) < hi - lo
     if lo == 0:
         raw = _pread(fd, head + hi, 0, scratch)
         header, chunks = raw[:head], raw[head:]
@@ -208,9 +216,26 @@ def _read_unmapped(fd: int, ref: BlockRef, index: int, head: int, length: int, s
         header, chunks = memoryview(os.pread(fd, head, 0)), _pread(fd, hi - lo, head + lo, scratch)
     if len(chunks) != hi - lo:
         raise CorruptBlock("truncated")
-    verify(header, expected_header(ref.oid, index, length), chunks, first)
+    verify(header, expected, chunks, first)
     wanted = chunks[start - lo : end - lo]
+    if target is not None:
+        target[:] = wanted
+        return target
     return memoryview(bytes(wanted)) if scratch else wanted
+
+
+def _pread_exact(fd: int, size: int, offset: int, target: memoryview | None) -> memoryview:
+    """`size` bytes at `offset`, into `target` or a bytes of their own; CorruptBlock if the file
+    ends before them."""
+    if target is None:
+        data = memoryview(os.pread(fd, size, offset))
+        got = len(data)
+    else:
+        data = target
+        got = os.preadv(fd, [target], offset)
+    if got != size:
+        raise CorruptBlock("truncated")
+    return data
 
 
 _scratch = threading.local()

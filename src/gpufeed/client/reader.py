@@ -119,7 +119,7 @@ class Client:
         ref = handle.blocks
         end = min(end, handle.info.size)
         if ref is not None and start < end and start // ref.block_size != (end - 1) // ref.block_size:
-            pieces = self._hit_views(handle, start, end)
+            pieces = self._hit_pieces(handle, start, end)
             if pieces:
                 at = start + sum(len(piece) for piece in pieces)
                 if at < end:
@@ -135,39 +135,40 @@ class Client:
         if end <= start:
             return 0
         lo, hi = handle.extent(start, end)
-        at = lo
-        for view in self._hit_views(handle, lo, hi):
-            target[at - lo : at - lo + len(view)] = view
-            at += len(view)
+        at = lo + sum(len(piece) for piece in self._hit_pieces(handle, lo, hi, target))
         if at < hi:
             rest = self._read_misses([(handle, at, hi)])[0]
             target[at - lo : at - lo + len(rest)] = rest
             at += len(rest)
         return at - lo
 
-    def _hit_views(self, handle: ObjectHandle, start: int, end: int) -> list[memoryview]:
+    def _hit_pieces(self, handle: ObjectHandle, start: int, end: int, target: memoryview | None = None) -> list[memoryview]:
         """The blocks of [start, end) (offsets in the blocks' object) that are on disk, in
-        order up to the first that is not, as views of their mappings (`blockfile.view`), for
-        the caller to copy once; counted as hits."""
+        order up to the first that is not, counted as hits: copied into `target` (a caller's
+        buffer, filled from its start), or else as views for the caller to copy once
+        (`blockfile.view`)."""
         ref = handle.blocks
         if ref is None:
             return []
         size = ref.block_size
-        views: list[memoryview] = []
+        pieces: list[memoryview] = []
         at = start
         while at < end:
             index = at // size
             stop = min(end, (index + 1) * size)
             base = index * size
             try:
-                views.append(blockfile.view(ref, index, at - base, stop - base))
+                if target is None:
+                    pieces.append(blockfile.view(ref, index, at - base, stop - base))
+                else:
+                    pieces.append(blockfile.read(ref, index, at - base, stop - base, target[at - start : stop - start]))
             except (FileNotFoundError, CorruptBlock):  # a damaged one is repaired by the miss path
                 break
             handle.tally.hits += 1
             self.hits.record(f"{ref.oid}-{index}")  # BlockId.name, as `_hit` records it
             at = stop
         handle.tally.hit_bytes += at - start
-        return views
+        return pieces
 
     def read_many(self, reads: Sequence[tuple[ObjectHandle, int, int]]) -> list[memoryview]:
         """`read_range` for a batch (a DataLoader batch, say): hits are read here and the

@@ -8,7 +8,7 @@ block, a miss goes to the agent). It never reads a store itself.
 Why it is shaped this way:
 - libfuse3's high-level API through mfusepy, multithreaded: one Python callback per kernel
   request, and a read request is up to 1 MiB (`max_read`), so there is no Python work per
-  4 KiB. The reply is copied from the read path's buffer into libfuse's once (`_FeedFUSE.read`).
+  4 KiB. The read path copies the reply into libfuse's buffer, once (`_FeedFUSE.read`).
 - The kernel keeps attributes and entries for ATTR_TIMEOUT_S and keeps a file's page cache
   across opens (`keep_cache`) while the manifest lists the same version: a warm epoch does
   not call into Python for the bytes at all. Closing a file calls no Python either (no
@@ -40,7 +40,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import xxhash
 
 from gpufeed.client import Client, ObjectHandle
@@ -232,19 +231,25 @@ class FeedOperations(mfusepy.Operations):
                 del self._opens[next(iter(self._opens))]
 
     def read(self, path: str, size: int, offset: int, fh: Any) -> memoryview:
+        buffer = memoryview(bytearray(size))
+        return buffer[: self.read_into(path, buffer, offset, fh)]
+
+    def read_into(self, path: str, target: memoryview, offset: int, fh: Any) -> int:
+        """A read request into libfuse's reply buffer (`_FeedFUSE.read`): cached bytes are copied
+        there once, from where they lie (`Client.read_into`)."""
         self.calls["read"] += 1
         opened = self._opens.get(fh.fh) or self._reopened(path, fh.fh)
         handle = opened.handle
         try:
-            data = self.client.read_range(handle, offset, min(offset + size, handle.size))
+            length = self.client.read_into(handle, offset, target)
         except GpufeedError as exc:
             self._failed("read", path, exc)
         ref = handle.blocks
-        end = offset + len(data)
+        end = offset + length
         if self.state.read_ahead and ref is not None and offset == opened.next and ref.blocks.count > 1:
             self._read_ahead(opened, end // ref.block_size, ref.blocks.count)
         opened.next = end
-        return data
+        return length
 
     def _read_ahead(self, opened: _Open, block: int, count: int) -> None:
         """A sequential reader in block `block`: keep the READ_AHEAD_BLOCKS after it asked
@@ -332,9 +337,9 @@ def _read_ahead_kb(mountpoint: Path, kib: int) -> None:
 
 
 class _FeedFUSE(mfusepy.FUSE):
-    """mfusepy's FUSE with a read that copies the read path's buffer (a memoryview, often of
-    a mapped block) into libfuse's once, with no bytes object in between; and with Python
-    thread states that outlive a callback."""
+    """mfusepy's FUSE with a read that has the read path copy the bytes into libfuse's reply
+    buffer, once, from the mapped block (no bytes object in between); and with Python thread
+    states that outlive a callback."""
 
     _kept: set[int] = set()
 
@@ -366,11 +371,8 @@ class _FeedFUSE(mfusepy.FUSE):
         return 0
 
     def read(self, path: bytes | None, buf: Any, size: int, offset: int, fip: Any) -> int:
-        data = self.operations.read(path.decode() if path else "", size, offset, fip.contents)
-        length = len(data)
-        if length:
-            ctypes.memmove(buf, np.frombuffer(data, np.uint8).ctypes.data, length)
-        return length
+        target = memoryview(ctypes.cast(buf, ctypes.POINTER(ctypes.c_ubyte * size)).contents).cast("B")
+        return self.operations.read_into(path.decode() if path else "", target, offset, fip.contents)
 
 
 mfusepy._libfuse.fuse_invalidate_path.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
