@@ -12,8 +12,11 @@ import pytest
 import gpufeed
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
-from gpufeed.errors import InvalidArgument, ReadOnlyMount
+from gpufeed.errors import InvalidArgument, NamespacePathError, ObjectMissing, ReadOnlyMount
 from gpufeed.namespace import Namespace
+from tests.agent.test_metrics import agent_metrics
+
+FETCHES = ("gpufeed_requests_total", (("kind", "fetch"),))
 
 
 @pytest.fixture
@@ -69,3 +72,31 @@ def test_writes_pipe_copy_move_and_remove_on_a_writable_mount(tmp_path: Path) ->
     assert fs.cat_file("/out/b/two.txt") == b"two"
     gpufeed.sync("/out")
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == ["b/one-copy.txt", "b/two.txt"]
+
+
+def test_cat_of_many_files_fetches_their_misses_in_one_request(tmp_path: Path) -> None:
+    """fsspec's `cat` and `cat_ranges` read one file after another by default: a round trip to
+    the store each. gpufeed's read them as one batch, so a cold set of files costs the agent one
+    fetch request; a file that fails is that file's error, as fsspec's `on_error` asks."""
+    root = tmp_path / "src"
+    root.mkdir()
+    files = {f"/data/{i:02d}.bin": bytes([i]) * (1000 + 37 * i) for i in range(40)}
+    for path, body in files.items():
+        (root / path.removeprefix("/data/")).write_bytes(body)
+    (root / "gone.bin").write_bytes(b"listed, never read")
+    Namespace().add_mount("/data", f"file://{root}")
+    fs = fsspec.filesystem("gpufeed")
+    gpufeed.client().agent.stats()  # started: its count of requests begins here
+    before = agent_metrics().get(FETCHES, 0)
+    assert fs.cat(sorted(files)) == files
+    assert agent_metrics()[FETCHES] - before == 1, "the 40 misses in one request"
+    assert fs.cat("/data/0*.bin") == {p: b for p, b in files.items() if p.startswith("/data/0")}
+    got = fs.cat_ranges(["/data/01.bin", "/data/missing.bin", "gpufeed:///data/02.bin"], [0, 0, -10], [5, 5, None])
+    assert got[0] == files["/data/01.bin"][:5] and got[2] == files["/data/02.bin"][-10:]
+    assert isinstance(got[1], NamespacePathError)
+    assert fs.cat(["/data/03.bin", "/data/missing.bin"], on_error="omit") == {"/data/03.bin": files["/data/03.bin"]}
+    with pytest.raises(NamespacePathError):
+        fs.cat(["/data/03.bin", "/data/missing.bin"])
+    (root / "gone.bin").unlink()  # deleted at the source after it was listed: that file's error only
+    got = fs.cat_ranges(["/data/gone.bin", "/data/05.bin"], None, None)
+    assert isinstance(got[0], ObjectMissing) and got[1] == files["/data/05.bin"]

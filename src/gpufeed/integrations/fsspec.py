@@ -16,7 +16,7 @@ from fsspec import AbstractFileSystem
 
 import gpufeed
 from gpufeed.cache.blockfile import as_bytes
-from gpufeed.client import FeedFile, FeedWriter
+from gpufeed.client import Client, FeedFile, FeedWriter, ObjectHandle
 from gpufeed.errors import InvalidArgument
 from gpufeed.paths import FileStat
 
@@ -53,13 +53,56 @@ class GpufeedFileSystem(AbstractFileSystem):
         return _info(gpufeed.stat(self._strip_protocol(path)))
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
-        path = self._strip_protocol(path)
         client = gpufeed.client()
-        handle = client.handle(path)
-        start, end = start or 0, handle.size if end is None else end
-        if start < 0 or end < 0:  # fsspec allows offsets from the end
-            start, end = (start + handle.size if start < 0 else start), (end + handle.size if end < 0 else end)
-        return as_bytes(client.read_range(handle, start, end))
+        handle = client.handle(self._strip_protocol(path))
+        return as_bytes(client.read_range(handle, *_bounds(handle, start, end)))
+
+    def cat_ranges(
+        self, paths: list[str], starts: int | None | list[int | None], ends: int | None | list[int | None],
+        max_gap: int | None = None, on_error: str = "return", **kwargs: Any,
+    ) -> list[bytes | Exception]:
+        """The ranges read as one batch (`Client.read_many`): the misses of all of them are
+        fetched together, as a DataLoader batch's are, not one round trip to the store after
+        another (fsspec's default, which reads them one by one). A range that fails is its own
+        error (`on_error="return"`) or raises."""
+        if max_gap is not None:
+            raise NotImplementedError("max_gap")
+        starts = starts if isinstance(starts, list) else [starts] * len(paths)
+        ends = ends if isinstance(ends, list) else [ends] * len(paths)
+        if len(starts) != len(paths) or len(ends) != len(paths):
+            raise ValueError("cat_ranges: paths, starts and ends differ in length")
+        client = gpufeed.client()
+        out: list[bytes | Exception] = [b""] * len(paths)
+        reads: list[tuple[ObjectHandle, int, int]] = []
+        numbers: list[int] = []
+        for n, (path, start, end) in enumerate(zip(paths, starts, ends, strict=True)):
+            try:
+                handle = client.handle(self._strip_protocol(path))
+            except Exception as exc:
+                if on_error != "return":
+                    raise
+                out[n] = exc
+                continue
+            reads.append((handle, *_bounds(handle, start, end)))
+            numbers.append(n)
+        for n, data in zip(numbers, _read_batch(client, reads, on_error), strict=True):
+            out[n] = as_bytes(data) if isinstance(data, memoryview) else data
+        return out
+
+    def cat(self, path: str | list[str], recursive: bool = False, on_error: str = "raise", **kwargs: Any) -> Any:
+        """fsspec's `cat`, its files read as one batch (`cat_ranges`)."""
+        paths = self.expand_path(path, recursive=recursive)
+        if len(paths) == 1 and not isinstance(path, list) and paths[0] == self._strip_protocol(path):
+            return self.cat_file(paths[0])
+        out = {}
+        for name, data in zip(paths, self.cat_ranges(paths, None, None, on_error="return"), strict=True):
+            if isinstance(data, Exception):
+                if on_error == "raise":
+                    raise data
+                if on_error == "omit":
+                    continue
+            out[name] = data
+        return out
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> FeedFile | FeedWriter:
         if mode not in ("rb", "wb"):
@@ -91,3 +134,25 @@ class GpufeedFileSystem(AbstractFileSystem):
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         pass
+
+
+def _bounds(handle: ObjectHandle, start: int | None, end: int | None) -> tuple[int, int]:
+    """fsspec's range: None for either end of the file, negative offsets from its end."""
+    start, end = start or 0, handle.size if end is None else end
+    return (start + handle.size if start < 0 else start), (end + handle.size if end < 0 else end)
+
+
+def _read_batch(client: Client, reads: list[tuple[ObjectHandle, int, int]], on_error: str) -> list[memoryview | Exception]:
+    """`read_many`; when one read fails the batch, each read alone, for its own bytes or error."""
+    try:
+        return list(client.read_many(reads))
+    except Exception:
+        if on_error != "return":
+            raise
+    got: list[memoryview | Exception] = []
+    for read in reads:
+        try:
+            got.append(client.read_range(*read))
+        except Exception as exc:
+            got.append(exc)
+    return got
