@@ -103,30 +103,52 @@ def read(ref: BlockRef, index: int, start: int, end: int, target: memoryview | N
         target[:] = data
         return target
     head = HEAD_SIZE + 8 * (-(-length // CHUNK) or 1)
+    checked = _mapped(ref, index, path, head, length, start, end, map_unheld=False)
+    if checked is None:
+        files = ref.files
+        fd = _open_unheld(files, path)
+        try:
+            data = _read_unmapped(fd, ref, index, head, length, start, end, target)
+        finally:
+            os.close(fd)
+        files.read_unheld(path)
+        return data
+    if target is None:
+        return memoryview(bytes(checked))
+    target[:] = checked
+    return target
+
+
+def _mapped(
+    ref: BlockRef, index: int, path: str, head: int, length: int, start: int, end: int, *, map_unheld: bool
+) -> memoryview | None:
+    """Bytes [start, end) of the block as a checked view of its mapping: the one this process
+    holds, or with `map_unheld` one made for this read; None when it holds none and makes none
+    (the caller preads the file). A held file found damaged is let go and the one on disk read
+    again: a repair may have replaced it since."""
     files = ref.files
     held = files.held.get(path)
     opened = held is None
     if held is None:
         held = files.open(path)
         if held is None:
+            if not map_unheld:
+                return None
             fd = _open_unheld(files, path)
             try:
-                data = _read_unmapped(fd, ref, index, head, length, start, end, target)
+                held = Held(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
+            except ValueError:  # an empty file cannot be mapped
+                raise CorruptBlock("empty") from None
             finally:
                 os.close(fd)
             files.read_unheld(path)
-            return data
     try:
-        checked = _checked(held, ref, index, head, length, start, end)
+        return _checked(held, ref, index, head, length, start, end)
     except CorruptBlock:
         files.forget(path)
-        if not opened:  # a repair may have replaced the damaged file since: read the one there
-            return read(ref, index, start, end, target)
+        if not opened:
+            return _mapped(ref, index, path, head, length, start, end, map_unheld=map_unheld)
         raise
-    if target is None:
-        return memoryview(bytes(checked))
-    target[:] = checked
-    return target
 
 
 def _checked(held: Held, ref: BlockRef, index: int, head: int, length: int, start: int, end: int) -> memoryview:
@@ -161,30 +183,8 @@ def view(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
     not held is read as `read` reads it."""
     length = min(ref.object_size - index * ref.block_size, ref.block_size)
     head = HEAD_SIZE + 8 * (-(-length // CHUNK) or 1)
-    path = f"{ref.prefix}{index}"
-    files = ref.files
-    held = files.held.get(path)
-    opened = held is None
-    if held is None:
-        held = files.open(path)
-        if held is None:
-            if end - start < MAP_FOR_ONE_READ:
-                return read(ref, index, start, end)
-            fd = _open_unheld(files, path)
-            try:
-                held = Held(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
-            except ValueError:  # an empty file cannot be mapped
-                raise CorruptBlock("empty") from None
-            finally:
-                os.close(fd)
-            files.read_unheld(path)
-    try:
-        return _checked(held, ref, index, head, length, start, end)
-    except CorruptBlock:
-        files.forget(path)
-        if not opened:  # a repair may have replaced the damaged file since: read the one there
-            return view(ref, index, start, end)
-        raise
+    checked = _mapped(ref, index, f"{ref.prefix}{index}", head, length, start, end, map_unheld=end - start >= MAP_FOR_ONE_READ)
+    return checked if checked is not None else read(ref, index, start, end)
 
 
 def _read_unmapped(
