@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import time
@@ -248,3 +249,5 @@ def test_lines_and_small_reads_come_from_a_buffer(tmp_path: Path) -> None:
         assert reads <= -(-len(body) // CHUNK) + 1, f"{reads} reads of the cache for {len(body)} bytes of lines"
         f.seek(12345)
         assert f.read(10) + f.readline() == body[12345 : body.index(b"\n", 12355) + 1]
+    with io.TextIOWrapper(gpufeed.open("/text/d.jsonl"), encoding="utf-8") as text:  # a buffered file: text mode works
+        assert text.readline() == body[: body.index(b"\n") + 1].decode()
