@@ -167,7 +167,7 @@ class Prefetcher:
                 continue
             try:
                 self.requests += 1
-                reply = self.client.prefetch(missing, session, ahead_samples=ahead, reads=reads)
+                reply = self.client.fetches.prefetch(missing, session, ahead_samples=ahead, reads=reads)
                 self.latency_s = max(0.001, reply.latency_s)
             except GpufeedError:
                 self.errors += 1  # a prefetch is a hint: the read itself will fetch or fail

@@ -321,7 +321,7 @@ def test_sigterm_stops_the_agent_cleanly(tmp_path: Path, gpufeed_home: Path, bus
     client.read("/data/00000.bin")
     if busy:
         handles = [client.handle(f"/data/{i:05d}.bin") for i in range(1, 400)]
-        client.prefetch([(handle, [0]) for handle in handles], "job")
+        client.fetches.prefetch([(handle, [0]) for handle in handles], "job")
     pid = client.agent.stats().pid
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 30

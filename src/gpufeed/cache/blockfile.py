@@ -105,18 +105,26 @@ def read(ref: BlockRef, index: int, start: int, end: int, target: memoryview | N
     head = HEAD_SIZE + 8 * (-(-length // CHUNK) or 1)
     checked = _mapped(ref, index, path, head, length, start, end, map_unheld=False)
     if checked is None:
-        files = ref.files
-        fd = _open_unheld(files, path)
-        try:
-            data = _read_unmapped(fd, ref, index, head, length, start, end, target)
-        finally:
-            os.close(fd)
-        files.read_unheld(path)
-        return data
+        return _read_unheld(ref, index, path, head, length, start, end, target)
     if target is None:
         return memoryview(bytes(checked))
     target[:] = checked
     return target
+
+
+def _read_unheld(
+    ref: BlockRef, index: int, path: str, head: int, length: int, start: int, end: int, target: memoryview | None
+) -> memoryview:
+    """A block file this process does not hold: opened, read (`_read_unmapped`), closed; its
+    next read holds it, if there is room."""
+    files = ref.files
+    fd = _open_unheld(files, path)
+    try:
+        data = _read_unmapped(fd, ref, index, head, length, start, end, target)
+    finally:
+        os.close(fd)
+    files.read_unheld(path)
+    return data
 
 
 def _mapped(
@@ -180,11 +188,12 @@ def view(ref: BlockRef, index: int, start: int, end: int) -> memoryview:
     one result buffer: each byte is copied once, from the page cache, with no buffer per
     block in between (a fresh one is mapped and faulted in page by page, which costs more
     than the copy). Drop the view once copied: it keeps the mapping. A small piece of a file
-    not held is read as `read` reads it."""
+    not held is read into a buffer of its own, as `read` reads it."""
     length = min(ref.object_size - index * ref.block_size, ref.block_size)
     head = HEAD_SIZE + 8 * (-(-length // CHUNK) or 1)
-    checked = _mapped(ref, index, f"{ref.prefix}{index}", head, length, start, end, map_unheld=end - start >= MAP_FOR_ONE_READ)
-    return checked if checked is not None else read(ref, index, start, end)
+    path = f"{ref.prefix}{index}"
+    checked = _mapped(ref, index, path, head, length, start, end, map_unheld=end - start >= MAP_FOR_ONE_READ)
+    return checked if checked is not None else _read_unheld(ref, index, path, head, length, start, end, None)
 
 
 def _read_unmapped(

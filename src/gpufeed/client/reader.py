@@ -35,7 +35,6 @@ from gpufeed.paths import FileStat
 from gpufeed.rpc.messages import (
     Credentials,
     Done,
-    Queued,
     Remove,
     SourceSpec,
     Sync,
@@ -343,22 +342,10 @@ class Client:
             targets[n][:] = data
         return sizes
 
-    def prefetch(
-        self,
-        wanted: list[tuple[ObjectHandle, list[int]]],
-        session: str,
-        *,
-        pin: bool = True,
-        ahead_samples: int = 0,
-        reads: list[list[int]] | None = None,
-    ) -> Queued:
-        """Ask the agent to fetch these blocks soon (`AgentFetches.prefetch`); returns at once."""
-        return self.fetches.prefetch(wanted, session, pin=pin, ahead_samples=ahead_samples, reads=reads)
-
     def _hint(self, wanted: list[tuple[ObjectHandle, list[int], list[int]]]) -> None:
         """Have the agent cache blocks this client reads around; nobody waits for them."""
         try:
-            self.prefetch([(handle, blocks) for handle, blocks, _ in wanted], self._session, pin=False)
+            self.fetches.prefetch([(handle, blocks) for handle, blocks, _ in wanted], self._session, pin=False)
         except GpufeedError:
             pass  # a hint: the next read of these blocks fetches them itself
 

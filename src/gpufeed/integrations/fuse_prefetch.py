@@ -82,7 +82,7 @@ class MountPrefetch(threading.Thread):
 
     def _send(self, wanted: list[tuple[ObjectHandle, list[int]]], session: str, *, pin: bool) -> bool:
         try:
-            self.client.prefetch(wanted, session, pin=pin)
+            self.client.fetches.prefetch(wanted, session, pin=pin)
             return True
         except (AgentUnavailable, GpufeedError, OSError) as exc:
             log.debug("prefetch not sent: %s", exc)
