@@ -3,6 +3,7 @@ costly creating a file is where it lives."""
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import shutil
@@ -27,6 +28,17 @@ def scratch_home(prefix: str) -> Iterator[Path]:
     finally:
         stop_agent(gpufeed.client().settings)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def settle() -> None:
+    """Before a timed loop: what the set-up left behind is not the loop's to pay. Its dirty
+    pages are written back (the files it wrote, uploads to a store), and its garbage collected:
+    a set-up that imports a big library (boto3 for an upload) or builds thousands of objects
+    leaves the collector owing a full pass, which otherwise lands in whichever epoch crosses
+    the threshold next (measured: a 0.11 s pause of the training loop in a warm epoch, 0.9x of
+    local disk instead of 1.0x)."""
+    os.sync()
+    gc.collect()
 
 
 SLOW_CREATE_US = 200

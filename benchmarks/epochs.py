@@ -52,7 +52,7 @@ from typing import Any
 import obstore
 import torch
 import uvloop
-from common import scratch_home
+from common import scratch_home, settle
 from obstore.store import HTTPStore, S3Store
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -256,10 +256,10 @@ def calibrate(measure: Callable[[float], Epoch], step_s: float, busy: float) -> 
 
 def run_loop(name: str, epochs: int, loader: Loader, step_s: float, report: Callable[[Loop], None]) -> Loop:
     """`epochs` epochs of one way of reading, with a loader of its own (its first epoch starts
-    the workers, as a job's does). Data the set-up before it wrote (the JPEGs, the plain-write
-    baseline, S3 uploads) is flushed to disk first, so its writeback does not land in this
-    loop's epochs; what a loop writes itself is not flushed between its epochs."""
-    os.sync()
+    the workers, as a job's does). The set-up before it is settled first (`settle`: the JPEGs,
+    the plain-write baseline and S3 uploads written back, its garbage collected), so neither
+    lands in this loop's epochs; what a loop writes itself is not flushed between its epochs."""
+    settle()
     loop = Loop(name)
     try:
         for epoch in range(epochs):

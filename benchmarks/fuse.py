@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from common import scratch_home
+from common import scratch_home, settle
 from epochs import BUCKET, S3_SERVERS, Epoch, calibrate, collate, cpu_s, make_jpegs, run_epoch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, RandomSampler
@@ -75,8 +75,9 @@ class ImageFiles(Dataset):
 
 
 def drop_caches() -> None:
-    """Empty the kernel's page cache (root only), so the next read comes from disk or the store."""
-    os.sync()
+    """Empty the kernel's page cache (root only), so the next read comes from disk or the store;
+    the set-up is settled first (`settle`)."""
+    settle()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 

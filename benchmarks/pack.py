@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import scratch_home, small_files
+from common import scratch_home, settle, small_files
 from epochs import (
     BUCKET,
     S3_SERVERS,
@@ -237,7 +237,7 @@ def training(work: Path, root: Path, args: argparse.Namespace) -> None:
     failed: list[str] = []
 
     def loop(name: str, make: Callable[[int], Any], gets: Gets | None) -> None:
-        os.sync()
+        settle()
         for epoch in range(args.epochs):
             if gets is not None:
                 gets.count()
