@@ -203,6 +203,32 @@ def test_http_without_json_index_asks_for_a_listing_file(tmp_path: Path) -> None
         thread.join()
 
 
+def test_a_server_that_ignores_ranges_serves_whole_files(tmp_path: Path) -> None:
+    """Python's http.server answers every GET with the whole file: files up to a block are read
+    whole (no Range header), a bigger one fails in one line that says why."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "small.bin").write_bytes(b"s" * 1000)
+    (site / "big.bin").write_bytes(bytes(range(256)) * 1024)
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"small.bin 1000\nbig.bin {256 * 1024}\n")
+    handler = functools.partial(_HtmlHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        import gpufeed
+
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        Namespace().add_mount("/plain", url, {"list": str(listing), "block_size": "64KiB"})
+        assert gpufeed.read("/plain/small.bin") == b"s" * 1000
+        with pytest.raises(SourceError, match=r"big.bin: the server ignores Range requests, so only whole files"):
+            gpufeed.read("/plain/big.bin")
+    finally:
+        server.shutdown()
+        thread.join()
+
+
 def test_http_listing_file_with_and_without_sizes(nginx: HttpServer, tmp_path: Path) -> None:
     site = nginx.root / f"listed-{tmp_path.name}"
     (site / "d").mkdir(parents=True)

@@ -132,6 +132,12 @@ class ObstoreSource:
             return SourceAuthError(f"{where}: access denied ({message})")
         if isinstance(exc, obx.UnknownConfigurationKeyError):
             return InvalidArgument(f"{where}: {message}")
+        if isinstance(exc, obx.NotSupportedError) and "Range request not supported" in message:
+            return SourceError(
+                f"{where}: the server ignores Range requests, so only whole files can be read from it "
+                "(files up to one cache block, with the cache on); serve the files with one that honours "
+                "them (nginx, any object store)"
+            )
         if _is_connection_failure(message) or isinstance(exc, (ConnectionError, TimeoutError)):
             return SourceUnreachable(f"{where}: cannot reach the store ({message})")
         if any(code in message for code in _AUTH_CODES):
@@ -261,7 +267,12 @@ class ObstoreSource:
 
     @staticmethod
     def _get_options(start: int, end: int, expect: ObjectInfo | None, conditional: bool) -> GetOptions:
-        options: GetOptions = {"range": (start, end)}
+        """A whole object pinned to its version is asked for without a Range header: servers
+        that ignore ranges (Python's http.server, many static sites) then serve every file up to
+        a block whole. An unpinned read (an immutable mount) keeps its range, so an object grown
+        since it was listed is read up to its listed size."""
+        whole = conditional and expect is not None and start == 0 and end == expect.size
+        options: GetOptions = {} if whole else {"range": (start, end)}
         if expect is not None and conditional:
             if expect.etag:
                 options["if_match"] = expect.etag
