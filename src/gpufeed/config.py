@@ -41,6 +41,17 @@ def _float_env(name: str, default: float) -> float:
         raise InvalidArgument(f"environment variable {name}={raw!r} is not a number") from None
 
 
+def _positive_env(name: str, default: float) -> float:
+    """A duration that must be above zero: 0 seconds between progress lines would print
+    thousands a second, a timeout of 0 would fail every request."""
+    value = _float_env(name, default)
+    if not value > 0:  # NaN too
+        from gpufeed.errors import InvalidArgument
+
+        raise InvalidArgument(f"environment variable {name}={os.environ[name]!r} must be a number of seconds above 0")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     """Resolved configuration.
@@ -120,8 +131,8 @@ class Settings:
         return cls(
             home=home,
             meta_url=os.environ.get("GPUFEED_META", ""),
-            connect_timeout=_float_env("GPUFEED_CONNECT_TIMEOUT", 5.0),
-            request_timeout=_float_env("GPUFEED_REQUEST_TIMEOUT", 60.0),
+            connect_timeout=_positive_env("GPUFEED_CONNECT_TIMEOUT", 5.0),
+            request_timeout=_positive_env("GPUFEED_REQUEST_TIMEOUT", 60.0),
             retry_timeout=_float_env("GPUFEED_RETRY_TIMEOUT", 15.0),
             cache_dirs=tuple(Path(d).expanduser() for d in dirs.split(":") if d) if dirs else (home / "cache",),
             cache_size=parse_size(os.environ.get("GPUFEED_CACHE_SIZE") or "100GiB", "GPUFEED_CACHE_SIZE"),
@@ -133,7 +144,7 @@ class Settings:
             metrics_addr=_checked(os.environ.get("GPUFEED_METRICS_ADDR", ""), parse_addr, "GPUFEED_METRICS_ADDR"),
             log_format=_checked(os.environ.get("GPUFEED_LOG_FORMAT") or "text", parse_log_format, "GPUFEED_LOG_FORMAT"),
             debug=os.environ.get("GPUFEED_DEBUG") == "1",
-            progress_interval=_float_env("GPUFEED_PROGRESS_INTERVAL", 5.0),
+            progress_interval=_positive_env("GPUFEED_PROGRESS_INTERVAL", 5.0),
             cluster=os.environ.get("GPUFEED_CLUSTER", ""),
             peer_addr=_checked(os.environ.get("GPUFEED_PEER_ADDR", ""), parse_addr, "GPUFEED_PEER_ADDR"),
             advertise=_checked(os.environ.get("GPUFEED_PEER_ADVERTISE", ""), parse_addr, "GPUFEED_PEER_ADVERTISE"),

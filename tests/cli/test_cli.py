@@ -108,10 +108,23 @@ def test_errors_are_one_line_with_exit_codes(dataset: Path, bucket: Bucket, moto
 
 
 def test_debug_shows_the_traceback() -> None:
-    result = gpufeed("--debug", "cat", "/nowhere/x")
+    for args in (("--debug", "cat", "/nowhere/x"), ("cat", "/nowhere/x", "--debug")):
+        result = gpufeed(*args)
+        assert result.returncode == 1, args
+        assert "Traceback" in result.stderr and "PathNotFound" in result.stderr, args
+        assert result.stderr.strip().splitlines()[-1].startswith("gpufeed: error: /nowhere/x"), args
+    assert "No such option: --bogus" in fails(2, "--debug", "cat", "/nowhere/x", "--bogus"), "a usage error: no traceback"
+
+
+def test_output_that_cannot_be_written_is_one_line(dataset: Path) -> None:
+    ok("mount", "add", "/data", f"file://{dataset}")
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "gpufeed", "cat", "/data/train/cats/0.jpg"], stdout=full, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "COLUMNS": "200"}, timeout=120,
+        )
     assert result.returncode == 1
-    assert "Traceback" in result.stderr and "PathNotFound" in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("gpufeed: error: /nowhere/x")
+    assert result.stderr.strip() == "gpufeed: error: cannot write to standard output: No space left on device"
 
 
 def test_secrets_never_reach_the_screen() -> None:
@@ -126,3 +139,12 @@ def test_secrets_never_reach_the_screen() -> None:
 def test_bad_numbers_are_refused(dataset: Path) -> None:
     assert "--max-age nan" in fails(2, "mount", "add", "/d", f"file://{dataset}", "--max-age", "nan")
     assert "cache dir /proc" in fails(1, "agent", "--cache-dir", "/proc/gpufeed-test-no-such-dir")
+    refusals = (("GPUFEED_PROGRESS_INTERVAL", "0"), ("GPUFEED_PROGRESS_INTERVAL", "-3"), ("GPUFEED_CONNECT_TIMEOUT", "nan"))
+    for name, value in refusals:
+        refused = fails(2, "mount", "ls", env={name: value})
+        assert f"{name}='{value}' must be a number of seconds above 0" in refused
+
+
+def test_sync_of_a_path_no_mount_holds_is_refused() -> None:
+    assert "/nope: no mount contains this path" in fails(1, "sync", "/nope")
+    assert ok("sync").startswith("synced /: 0 upload(s)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -23,12 +24,19 @@ def test_warmup_fills_the_cache_and_skips_what_is_cached(dataset: Path) -> None:
     first = ok("warmup", "/data/train", "-p", "4")
     assert "warmed 6 files" in first and "0 B were cached already" in first
     assert "6 files, 8.8 KiB; 100.0% cached" in ok("warmup", "--dry-run", "/data/train")
+    assert "7 files, 8.8 KiB; 99.9% cached (7 B to fetch)" in ok("warmup", "--dry-run", "/data/train", "/data/README"), (
+        "a few bytes to fetch are not shown as all cached"
+    )
+    assert json.loads(ok("warmup", "--dry-run", "--json", "/data/train", "/data/README")) == {
+        "files": 7, "bytes": 9006 + 7, "cached_bytes": 9006, "to_fetch_bytes": 7
+    }
     again = ok("warmup", "/data/train")
     assert "fetched 0 B" in again
     listing = Path(dataset.parent / "paths.txt")
     listing.write_text("/data/README\n# comment\n/data/empty.bin\n")
     assert "warmed 2 files" in ok("warmup", "--list", str(listing))
     assert "no warmup running" in ok("warmup", "status")
+    assert json.loads(ok("warmup", "status", "--json")) == []
     assert "give one or more namespace paths" in fails(2, "warmup")
     assert "no such file in mount /data" in fails(1, "warmup", "/data/nope")
 
@@ -62,6 +70,8 @@ def test_a_killed_warmup_resumes_where_it_stopped(nginx: HttpServer, tmp_path: P
         while gets() < 40 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert f"pid {warmup.pid}: /slow" in ok("warmup", "status")
+        [running] = json.loads(ok("warmup", "status", "--json", "/slow"))
+        assert (running["pid"], running["paths"], running["files"]) == (warmup.pid, ["/slow"], 150)
         warmup.send_signal(signal.SIGKILL)
         warmup.wait()
         assert 40 <= gets() < 150, "killed part way"

@@ -95,6 +95,8 @@ def test_every_file_is_byte_identical_and_ls_lR_asks_the_store_nothing(nginx: Ht
     expected |= {"train": (True, 0), "train/cats": (True, 0), "train/dogs": (True, 0)}
     assert seen == expected
     assert len(nginx.access_log.read_text().splitlines()) == requests, "ls -lR reached the store"
+    listed_at = client.namespace.resolve("/web").mount.listed_at  # type: ignore[union-attr]
+    assert abs((mountpoint / "train").stat().st_mtime - listed_at) < 1, "a directory's time is its listing's, not 1970"
 
     assert digests(mountpoint) == digests(root)
     assert digests(mountpoint) == digests(root)  # again, from the kernel's page cache and the node cache

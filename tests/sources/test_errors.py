@@ -135,6 +135,10 @@ def test_s3_credentials_from_a_profile(bucket: Bucket, tmp_path: Path, monkeypat
         ("file:///tmp", {"endpoint": "x"}, "unknown option"),
         ("http://host/x", {"region": "x"}, "http sources take: list"),
         ("http:///x", {}, "missing host"),
+        ("http://[::1", {}, "not a valid URL (Invalid IPv6 URL)"),
+        ("http://host:abc/x", {}, "not a valid URL"),
+        ("file:///tmp", {"list": "x"}, "--list (a listing file) applies to http(s) sources only"),
+        ("s3://b", {"list": "x"}, "--list (a listing file) applies to http(s) sources only"),
     ],
 )
 def test_bad_urls_and_options(url: str, options: dict[str, str], message: str) -> None:
@@ -179,9 +183,12 @@ def test_gcs_and_azure_urls_parse(tmp_path: Path) -> None:
     assert azure.url == "az://container/p"
 
 
-def test_missing_local_directory() -> None:
+def test_missing_local_directory(tmp_path: Path) -> None:
     with pytest.raises(PathNotFound, match="file:///no/such/dir: no such directory"):
         Namespace().add_mount("/data", "file:///no/such/dir")
+    (tmp_path / "a.txt").write_bytes(b"a")
+    with pytest.raises(InvalidArgument, match=f"a.txt: is a file; a mount's source is a directory \\(file://{tmp_path}\\)"):
+        Namespace().add_mount("/data", f"file://{tmp_path}/a.txt")
 
 
 class _HtmlHandler(http.server.SimpleHTTPRequestHandler):

@@ -10,6 +10,8 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from gpufeed.errors import WriteError
+
 out = Console()
 err = Console(stderr=True)
 
@@ -32,7 +34,23 @@ def when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp)) if timestamp else "-"
 
 
+def write_stdout(data: bytes | str, *, flush: bool = False) -> None:
+    """Write a command's output; one that cannot be written (a full disk, a dead terminal) is
+    one line naming standard output, not an internal error. A closed pipe (`| head`) is no
+    error at all: `cli.main.run` ends quietly on BrokenPipeError."""
+    try:
+        if isinstance(data, str):
+            sys.stdout.write(data)
+        else:
+            sys.stdout.buffer.write(data)
+        if flush:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise WriteError(f"cannot write to standard output: {exc.strerror or exc}") from exc
+
+
 def print_json(result: Any, *, indent: int | None = None) -> None:
     """A command's result for a script (`--json`): one JSON document on stdout, nothing else there."""
-    sys.stdout.write(json.dumps(result, indent=indent) + "\n")
-    sys.stdout.flush()
+    write_stdout(json.dumps(result, indent=indent) + "\n", flush=True)

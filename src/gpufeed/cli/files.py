@@ -4,12 +4,11 @@ Plain lines (no rich markup) so the output pipes into other tools."""
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING
 
 import typer
 
-from gpufeed.cli.console import human_bytes, when
+from gpufeed.cli.console import human_bytes, when, write_stdout
 
 if TYPE_CHECKING:
     from gpufeed.client import Client
@@ -51,10 +50,9 @@ def stat(path: str = typer.Argument(..., help="Namespace path.")) -> None:
 def cat(path: str = typer.Argument(..., help="Namespace path of a file.")) -> None:
     """Write a file's bytes to standard output."""
     with _client().open(path) as f:
-        sink = sys.stdout.buffer
         while chunk := f.read(CAT_CHUNK):
-            sink.write(chunk)
-        sink.flush()
+            write_stdout(chunk)
+        write_stdout(b"", flush=True)
 
 
 def du(path: str = typer.Argument("/", help="Namespace path.")) -> None:

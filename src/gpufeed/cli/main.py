@@ -115,7 +115,10 @@ def _usage(exc: TyperException) -> str:
 def run(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     args = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in args or os.environ.get("GPUFEED_DEBUG") == "1"
+    end = args.index("--") if "--" in args else len(args)  # after "--", every word is an argument
+    if "--debug" in args[:end]:  # `gpufeed cat X --debug` as `gpufeed --debug cat X`: users put it last
+        args = ["--debug", *(arg for arg in args[:end] if arg != "--debug"), *args[end:]]
+    debug = "--debug" in args[:end] or os.environ.get("GPUFEED_DEBUG") == "1"
     if debug:
         os.environ["GPUFEED_DEBUG"] = "1"  # an agent this command starts logs tracebacks too
     command = typer.main.get_command(app)
@@ -125,7 +128,7 @@ def run(argv: list[str] | None = None) -> None:
         if type(exc).__name__ == "NoArgsIsHelpError":  # `gpufeed mount` alone: its help was printed, as typer does
             code = 2
         else:
-            code = _fail(_usage(exc), getattr(exc, "exit_code", 2), debug)
+            code = _fail(_usage(exc), getattr(exc, "exit_code", 2), False)  # the traceback of a typo helps nobody
     except typer.Exit as exc:
         code = exc.exit_code
     except typer.Abort:

@@ -3,9 +3,9 @@ agent's own socket, so it works whether or not the agent serves --metrics-addr."
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING
 
+from gpufeed.cli.console import write_stdout
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError
 
@@ -31,4 +31,4 @@ def metrics() -> None:
     from gpufeed.rpc.messages import Metrics, MetricsText
 
     text = running_agent(Settings.from_env()).request(Metrics(), MetricsText, start=False).text
-    sys.stdout.write(text)
+    write_stdout(text, flush=True)

@@ -7,9 +7,11 @@ sub-command would not do: the group's variadic PATH argument swallows its name.)
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import NoReturn
 
@@ -56,7 +58,7 @@ def warmup(
     if paths and paths[0] == "status":
         if listing is not None or dry_run:
             raise InvalidArgument("'warmup status' takes namespace paths only, not --list or --dry-run")
-        status(paths[1:])
+        status(paths[1:], as_json)
         return
     if dry_run and cluster:
         raise InvalidArgument("--dry-run shows this node's cache: it does not combine with --cluster")
@@ -71,9 +73,12 @@ def warmup(
                 count += 1
                 total += item.size
                 cached += present
-        fraction = cached / total if total else 1.0
+        if as_json:
+            print_json({"files": count, "bytes": total, "cached_bytes": cached, "to_fetch_bytes": total - cached})
+            return
+        share = math.floor(cached / total * 1000) / 10 if total else 100.0  # 14 B to fetch is not "100.0% cached"
         to_fetch = human_bytes(total - cached)
-        out.print(f"{count} files, {human_bytes(total)}; {fraction:.1%} cached ({to_fetch} to fetch)", highlight=False)
+        out.print(f"{count} files, {human_bytes(total)}; {share:.1f}% cached ({to_fetch} to fetch)", highlight=False)
         return
     files = warming.files_under(client, wanted)
     try:
@@ -128,7 +133,7 @@ def _under(path: str, top: str) -> bool:
     return path == top or path.startswith(top + "/") or not top
 
 
-def status(wanted: list[str]) -> None:
+def status(wanted: list[str], as_json: bool = False) -> None:
     """Show the warmups running on this node, those touching `wanted` when paths are given."""
     for path in wanted:
         if not path.startswith("/"):
@@ -136,6 +141,9 @@ def status(wanted: list[str]) -> None:
     from gpufeed.client import Client
 
     running = [p for p in warming.running(Client()) if _touches(p.paths, wanted)]
+    if as_json:
+        print_json([asdict(p) for p in running])
+        return
     if not running:
         out.print("no warmup running" + (f" under {' '.join(wanted)}" if wanted else ""), highlight=False)
         return

@@ -394,7 +394,9 @@ class Client:
         """Wait until every write under `path` this node committed is in its store; returns how
         many uploads were waited for. Uploads that keep failing raise WriteError naming them
         (they stay staged and are retried)."""
-        synced = self.agent.request(Sync(arguments.path(path, "sync")), Synced)
+        path = arguments.path(path, "sync")
+        self.namespace.resolve(path)  # PathNotFound for a path no mount holds: nothing would be waited for
+        synced = self.agent.request(Sync(path), Synced)
         if synced.failures:
             first = synced.failures[0]
             more = f" (and {len(synced.failures) - 1} more)" if len(synced.failures) > 1 else ""

@@ -130,6 +130,7 @@ class FeedOperations(mfusepy.Operations):
         self.started = False
         self._logged: set[str] = set()
         self.prefetcher = MountPrefetch(client, nspath, state)
+        self.mounted_at = time.time()
 
     def _ns(self, path: str) -> str:
         return self.base + path if path != "/" else self.base or "/"
@@ -154,9 +155,10 @@ class FeedOperations(mfusepy.Operations):
     def _attributes(self, path: str, item: FileStat) -> dict[str, Any]:
         """What the kernel is told of `path`; for a file, its version and size are remembered, so
         a refresh that changes them invalidates what the kernel keeps."""
-        mtime = int(item.mtime * 1e9)
         if item.is_dir:
+            mtime = self._dir_mtime(path)
             return {"st_mode": stat.S_IFDIR | 0o555, "st_nlink": 2, "st_uid": self.uid, "st_gid": self.gid, "st_mtime": mtime}
+        mtime = int(item.mtime * 1e9)
         self._served[path] = (item.version, item.size)
         return {
             "st_mode": stat.S_IFREG | 0o444,
@@ -169,6 +171,16 @@ class FeedOperations(mfusepy.Operations):
             "st_mtime": mtime,
             "st_ctime": mtime,
         }
+
+    def _dir_mtime(self, path: str) -> int:
+        """A directory's time (ns): when its mount was listed, as the manifest keeps no time for
+        directories; above every mount, when this daemon started. Not 1970."""
+        try:
+            where = self.client.namespace.resolve(self._ns(path))
+        except NamespacePathError:
+            where = None
+        listed = where.mount.listed_at if where is not None else 0.0
+        return int((listed or self.mounted_at) * 1e9)
 
     def _listing(self, path: str) -> list[tuple[str, FileStat]]:
         """The directory's entries by name."""

@@ -46,22 +46,35 @@ def builder(scheme: str) -> Builder | None:
     return found
 
 
+def split_url(url: str) -> SplitResult:
+    """`url`'s parts; one that cannot be parsed (`http://[::1`, a port that is not a number) is
+    an InvalidArgument naming it."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError as exc:
+        raise InvalidArgument(f"{url}: not a valid URL ({exc})") from None
+    return parts
+
+
 def as_url(location: str) -> str:
     """`location` as a source URL: a local path without a scheme (`/data`, `./data`, `~/data`)
     becomes the absolute file:// URL it means, so a mount added from one directory reads the
     same directory from any other; a URL is returned as it is."""
-    if location and not urlsplit(location).scheme:
+    if location and not split_url(location).scheme:
         return f"file://{Path(location).expanduser().absolute()}"
     return location
 
 
 def open_source(url: str, options: dict[str, str], settings: Settings) -> Source:
     """Build the source for `url`; raises InvalidArgument for a URL or option it cannot use."""
-    parts = urlsplit(url)
+    parts = split_url(url)
     build = builder(parts.scheme)
     if build is None:
         known = ", ".join(sorted({"file", "s3", "gs", "az", "http", "https"}))
         raise InvalidArgument(f"{url}: unsupported URL scheme {parts.scheme!r} (supported: {known})")
+    if "list" in options and parts.scheme.lower() not in ("http", "https"):  # `mount add --list`: name the flag
+        raise InvalidArgument(f"{url}: --list (a listing file) applies to http(s) sources only; this source lists itself")
     return build(url, parts, options, settings)
 
 

@@ -97,6 +97,8 @@ def local_source(url: str, parts: SplitResult, options: dict[str, str], settings
     root = Path(parts.path)
     if not root.is_absolute():
         raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
+    if root.is_file():
+        raise InvalidArgument(f"{url}: is a file; a mount's source is a directory (file://{root.parent})")
     if not root.is_dir():
         raise PathNotFound(f"{url}: no such directory")
     try:
