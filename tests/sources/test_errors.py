@@ -17,6 +17,7 @@ import pytest
 from gpufeed.config import Settings
 from gpufeed.errors import (
     InvalidArgument,
+    ObjectMissing,
     PathNotFound,
     SourceAuthError,
     SourceError,
@@ -247,6 +248,12 @@ def test_http_listing_file_with_and_without_sizes(nginx: HttpServer, tmp_path: P
     _, stats = ns.add_mount("/web", f"{nginx.url}/{site.name}", {"list": str(listing)})
     assert (stats.files, stats.bytes) == (2, 33)
     assert ns.stat("/web/two").size == 22
+    wrong = tmp_path / "wrong.txt"
+    wrong.write_text("d/one 999\ntwo 22\n")
+    with pytest.raises(InvalidArgument, match=f"wrong.txt: d/one is listed with 999 bytes, but {nginx.url}/.*/d/one has 11"):
+        ns.add_mount("/wrong", f"{nginx.url}/{site.name}", {"list": str(wrong)})
+    with pytest.raises(ObjectMissing, match="-typo/d/one: not found at the source"):
+        ns.add_mount("/typo", f"{nginx.url}/{site.name}-typo", {"list": str(wrong)})
     bad = tmp_path / "bad.txt"
     bad.write_text("d/one eleven\n")
     with pytest.raises(InvalidArgument, match=r"bad.txt:1: expected 'KEY \[SIZE\]'"):

@@ -29,6 +29,7 @@ class HttpSource(ObstoreSource):
         super().__init__(url, store, options=options, kind="http", settings=settings)
         self.settings = settings
         self.listing_file = listing_file
+        self._probed = False
 
     def list(self) -> Iterator[list[ObjectInfo]]:
         if self.listing_file is not None:
@@ -67,7 +68,21 @@ class HttpSource(ObstoreSource):
         heads: dict[str, ObjectInfo] = {}
         if missing:
             heads = dict(zip(missing, run_blocking(self._head_many(missing)), strict=True))
+        sized = [(key, size) for key, size in batch if size is not None]
+        if sized and not self._probed:
+            self._probe(*sized[0])
         return [heads[key] if size is None else ObjectInfo(key, size, 0.0) for key, size in batch]
+
+    def _probe(self, key: str, size: int) -> None:
+        """One HEAD of the first `KEY SIZE` line, so a listing of a server that is not there (a
+        typo in the URL, a wrong port) or that serves other files fails when it is mounted, not at
+        the first read."""
+        found = self.head(key)
+        self._probed = True
+        if found.size != size:
+            raise InvalidArgument(
+                f"{self.listing_file}: {key} is listed with {size} bytes, but {self.url}/{key} has {found.size}"
+            )
 
     async def _head_many(self, keys: builtins.list[str]) -> builtins.list[ObjectInfo]:
         return await gather_all(self.head_async(key) for key in keys)
