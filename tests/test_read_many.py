@@ -15,6 +15,7 @@ import pytest
 import gpufeed
 from gpufeed.client import Client
 from gpufeed.client.plan import SPARSE_FACTOR
+from gpufeed.client.read_around import READ_AROUND_SHARE
 from gpufeed.errors import ObjectChanged, ObjectMissing
 from gpufeed.namespace import Namespace
 
@@ -45,17 +46,17 @@ def test_a_batch_of_mixed_reads_returns_each_reads_bytes(tmp_path: Path) -> None
     assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
 
 
-def test_a_sparse_batch_reads_only_its_bytes_then_waits_for_the_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sparse_batch_reads_only_its_bytes_then_waits_for_the_blocks(tmp_path: Path) -> None:
     data = mount_big_file(tmp_path)
     client = gpufeed.client()
     handle = client.handle("/m/big.bin")
     spans = [(i * BLOCK + 100, i * BLOCK + 1100) for i in range(0, BLOCKS - 1, 2)]
     assert (BLOCKS // 2) * BLOCK >= SPARSE_FACTOR * 1000 * len(spans)
+    assert 1000 * len(spans) <= READ_AROUND_SHARE * (BLOCKS // 2) * BLOCK < 2 * 1000 * len(spans)
     got = client.read_many([(handle, start, end) for start, end in spans])
     assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
     assert client.source_bytes == client.direct_bytes == 1000 * len(spans)
-    # as if READ_AROUND_S had passed: now it waits
-    monkeypatch.setattr(sys.modules["gpufeed.client.read_around"], "READ_AROUND_S", 0.0)
+    # the same bytes again would pass the budget (READ_AROUND_SHARE of the blocks): now it waits
     again = client.read_many([(handle, start, end) for start, end in spans])
     assert [bytes(piece) for piece in again] == [data[start:end] for start, end in spans]
     assert client.direct_bytes == 1000 * len(spans)
@@ -63,6 +64,21 @@ def test_a_sparse_batch_reads_only_its_bytes_then_waits_for_the_blocks(tmp_path:
     before = client.source_bytes
     assert [bytes(piece) for piece in client.read_many([(handle, s, e) for s, e in spans])] == [data[s:e] for s, e in spans]
     assert client.source_bytes == before  # hits: nothing more from the source
+
+
+def test_a_sparse_batch_past_the_budget_waits_for_its_blocks(tmp_path: Path) -> None:
+    """Bytes read around are fetched twice (again in their blocks): a batch that would read
+    around more than READ_AROUND_SHARE of the bytes of its blocks waits for them instead, so
+    the store sends each byte once."""
+    data = mount_big_file(tmp_path)
+    client = gpufeed.client()
+    handle = client.handle("/m/big.bin")
+    spans = [(i * BLOCK, i * BLOCK + 2000) for i in range(0, BLOCKS - 1, 2)]
+    assert (BLOCKS // 2) * BLOCK >= SPARSE_FACTOR * 2000 * len(spans), "sparse"
+    assert 2000 * len(spans) > READ_AROUND_SHARE * (BLOCKS // 2) * BLOCK, "but past the budget"
+    got = client.read_many([(handle, start, end) for start, end in spans])
+    assert [bytes(piece) for piece in got] == [data[start:end] for start, end in spans]
+    assert client.direct_bytes == 0 and client.source_bytes == len(spans) * BLOCK
 
 
 def test_a_dense_batch_waits_for_the_blocks(tmp_path: Path) -> None:
