@@ -159,7 +159,9 @@ def test_a_repair_discards_the_damaged_block_and_fetches_it_again(tmp_path: Path
 
     asyncio.run(run([]))
     path = Path(manager.path(blocks.block(0)))
-    path.write_bytes(path.read_bytes()[:-1] + b"x")
+    damaged = bytearray(path.read_bytes())
+    damaged[-1] ^= 0xFF  # a changed byte whatever it was (writing b"x" left a block ending in x intact)
+    path.write_bytes(damaged)
     with pytest.raises(CorruptBlock):
         blockfile.read(ref, 0, 0, 4096)
     asyncio.run(run([0]))
