@@ -116,9 +116,10 @@ def run(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     args = sys.argv[1:] if argv is None else argv
     end = args.index("--") if "--" in args else len(args)  # after "--", every word is an argument
-    if "--debug" in args[:end]:  # `gpufeed cat X --debug` as `gpufeed --debug cat X`: users put it last
-        args = ["--debug", *(arg for arg in args[:end] if arg != "--debug"), *args[end:]]
-    debug = "--debug" in args[:end] or os.environ.get("GPUFEED_DEBUG") == "1"
+    options, rest = args[:end], args[end:]
+    if "--debug" in options:  # `gpufeed cat X --debug` as `gpufeed --debug cat X`: users put it last
+        args = ["--debug", *(arg for arg in options if arg != "--debug"), *rest]
+    debug = "--debug" in options or os.environ.get("GPUFEED_DEBUG") == "1"
     if debug:
         os.environ["GPUFEED_DEBUG"] = "1"  # an agent this command starts logs tracebacks too
     command = typer.main.get_command(app)
