@@ -51,7 +51,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from common import report_file_creation
+from common import report_file_creation, report_first_touch
 
 from gpufeed.bench.children import free_port
 from gpufeed.bench.netns import Host, bridged_hosts
@@ -261,6 +261,7 @@ def main() -> None:
         raise SystemExit("benchmarks/cluster.py needs root (network namespaces)")
     work = Path(tempfile.mkdtemp(prefix="gpufeed-cluster-"))
     report_file_creation(work)
+    report_first_touch(work)
     try:
         data = work / "www" / "data"
         data.mkdir(parents=True)

@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: a private, throw-away gpufeed home, and a check of how
-costly creating a file is where it lives."""
+"""What the benchmark scripts share: a private, throw-away gpufeed home, and checks of how
+costly creating a file, and filling new memory, are on this machine."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def scratch_home(prefix: str) -> Iterator[Path]:
     work = Path(tempfile.mkdtemp(prefix=prefix))
     os.environ["GPUFEED_HOME"] = str(work / "home")
     report_file_creation(work)
+    report_first_touch(work)
     try:
         yield work
     finally:
@@ -61,6 +62,33 @@ def report_file_creation(where: Path, count: int = 300) -> None:
         note = (" - slow: cold results below include it for every block cached (ext4 without a journal, files deleted"
                 " nearby in the last minutes; TMPDIR= on another filesystem, or a wait, avoids it)")
     print(f"creating a file under {where}: {each_us:.0f} µs of kernel CPU{note}", flush=True)
+
+
+SLOW_FIRST_TOUCH_MS = 1.0
+PROBE_MIB = 64
+
+
+def report_first_touch(where: Path) -> None:
+    """Print the kernel CPU, in ms, to write one MiB of a new file under `where`. A cold epoch
+    puts every block it caches into the page cache, in memory no process may have used yet; a
+    VM whose host backs its memory only when first touched charges that to the writer (measured
+    on this project's VMs: about 3 ms a MiB, against 0.2 once touched), so the agent's CPU per
+    cold object doubles until the machine's memory has been touched once. The baselines read
+    files already in memory and never pay it; the line says so, and how to touch it first."""
+    probe = where / "first-touch-probe"
+    chunk = os.urandom(1 << 20)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+    with probe.open("wb") as out:
+        for _ in range(PROBE_MIB):
+            out.write(chunk)
+    each_ms = (resource.getrusage(resource.RUSAGE_SELF).ru_stime - before) / PROBE_MIB * 1000
+    probe.unlink()
+    note = ""
+    if each_ms > SLOW_FIRST_TOUCH_MS:
+        note = (" - slow: memory not used before costs the first writer (a VM's host backs it on first touch), and cold"
+                " results below include it for every block cached; touch most of the free memory once first,"
+                " N GiB with python -c 'import numpy; numpy.ones(N << 27)'")
+    print(f"writing new data under {where}: {each_ms:.2f} ms of kernel CPU a MiB{note}", flush=True)
 
 
 def small_files(root: Path, count: int, size: int) -> list[str]:
