@@ -214,6 +214,12 @@ def mosaic_loader(remote: str, local: Path, args: argparse.Namespace) -> Callabl
             return decode(super().__getitem__(index)["data"])
 
     dataset = Decoded(remote=remote, local=str(local), shuffle=True, shuffle_seed=0, batch_size=args.batch)
+    # Its S3 client fetched index.json here, and forked workers inherit it with its kept-alive
+    # connection: two workers downloading shards on one socket read each other's responses
+    # (measured: a shard whose first 8 MiB part held another shard's bytes, and PIL failing on
+    # its samples in 2 runs of 3). Mosaic's own clean_up drops the client, so each worker makes its own.
+    for stream in dataset.streams:
+        stream._downloader.clean_up()
     loader = DataLoader(dataset, batch_size=args.batch, num_workers=args.workers, collate_fn=collate)
     return lambda epoch: loader
 
