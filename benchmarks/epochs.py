@@ -4,7 +4,7 @@ every store 20 ms away.
 
     python benchmarks/epochs.py [--files 3000] [--size 113000] [--workers 2] [--batch 32]
                                 [--epochs 3] [--latency-ms 20] [--busy 0.9] [--persistent]
-                                [--store moto|s3rver]
+                                [--store moto|s3rver] [--immutable]
 
 The workload is issue 12's: --files JPEGs of about --size bytes, decoded with PIL in the
 DataLoader's workers (batch --batch, --workers workers, shuffled by a seeded sampler), and an
@@ -370,6 +370,8 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--busy", type=float, default=0.9, help="accelerator busy share the step is calibrated to on local disk")
     parser.add_argument("--persistent", action="store_true", help="persistent DataLoader workers")
+    parser.add_argument("--immutable", action="store_true",
+                        help="mount the stores --immutable, as for a dataset that does not change: reads pin no version")
     parser.add_argument("--store", choices=sorted(S3_SERVERS), default="moto",
                         help="the S3 server: moto burns milliseconds of this machine's CPU per GET, s3rver less")
     args = parser.parse_args()
@@ -390,7 +392,8 @@ def main() -> None:
         step_s = calibrate(lambda step: run_epoch(calibration(0), step), args.busy * args.batch / data_only.samples_s, args.busy)
         calibration.close()
         print(f"{args.files} JPEGs, {total / 2**20:,.0f} MiB ({total / args.files / 1000:,.0f} KB each); batch {args.batch}, "
-              f"{args.workers} workers{' (persistent)' if args.persistent else ''}; stores {args.latency_ms:g} ms away; "
+              f"{args.workers} workers{' (persistent)' if args.persistent else ''}; stores {args.latency_ms:g} ms away"
+              f"{', mounted --immutable' if args.immutable else ''}; "
               f"accelerator step {step_s * 1000:.0f} ms (local disk alone feeds {data_only.samples_s:,.0f} samples/s)")
         results: list[Loop] = []
         writes: dict[str, float] = {}
@@ -419,13 +422,13 @@ def main() -> None:
                 url = f"http://127.0.0.1:{shaped}/{root.name}"
 
                 run_loop("direct http", 1, seeded_loader(DirectHttp(url, names), args), step_s, report)
-                Namespace().add_mount("/http", url)
+                Namespace().add_mount("/http", url, immutable=args.immutable)
                 http = FeedDataset("/http", transform=decode)
                 writes["gpufeed http"] = plain_write_ms(paths, work / "home" / "plain-http")
                 gets["gpufeed http"] = bare_get_ms(HTTPStore(url, client_options={"allow_http": True}), names)
                 run_loop("gpufeed http", args.epochs, feed_loader(http, args), step_s, report)
                 (root.parent / "again").symlink_to(root.name)  # the same files at a second URL: blocks never cached
-                Namespace().add_mount("/http-again", f"http://127.0.0.1:{shaped}/again")
+                Namespace().add_mount("/http-again", f"http://127.0.0.1:{shaped}/again", immutable=args.immutable)
                 again = FeedDataset("/http-again", transform=decode)
                 writes["gpufeed http, prefetch off"] = plain_write_ms(paths, work / "home" / "plain-again")
                 gets["gpufeed http, prefetch off"] = gets["gpufeed http"]
@@ -434,7 +437,8 @@ def main() -> None:
         with s3_server(work, root) as endpoint:
             port = int(endpoint.rsplit(":", 1)[1])
             with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper-s3.log") as shaped:
-                Namespace().add_mount("/s3", f"s3://{BUCKET}/train", {"endpoint": f"http://127.0.0.1:{shaped}"})
+                Namespace().add_mount("/s3", f"s3://{BUCKET}/train", {"endpoint": f"http://127.0.0.1:{shaped}"},
+                                      immutable=args.immutable)
                 s3 = FeedDataset("/s3", transform=decode)
                 writes[f"gpufeed s3 ({args.store})"] = plain_write_ms(paths, work / "home" / "plain-s3")
                 store = S3Store(BUCKET, endpoint=f"http://127.0.0.1:{shaped}", client_options={"allow_http": True})

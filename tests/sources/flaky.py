@@ -31,9 +31,9 @@ class Script:
     requests: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def next_fault(self, method: str, path: str) -> str | None:
+    def next_fault(self, method: str, path: str, pinned: bool = False) -> str | None:
         with self.lock:
-            self.requests.append(f"{method} {path}")
+            self.requests.append(f"{method} {path}" + (" pinned" if pinned else ""))
             if method == self.method and self.match in path and self.faults:
                 return self.faults.popleft()
             return None
@@ -57,6 +57,11 @@ class Flaky:
         with self.script.lock:
             return sum(1 for r in self.script.requests if r.startswith(method + " ") and match in r)
 
+    def pinned(self, method: str, match: str = "") -> int:
+        """Requests that pinned a version (If-Match or If-Unmodified-Since)."""
+        with self.script.lock:
+            return sum(1 for r in self.script.requests if r.startswith(method + " ") and match in r and r.endswith(" pinned"))
+
 
 @contextmanager
 def flaky_proxy(upstream: str) -> Iterator[Flaky]:
@@ -74,7 +79,8 @@ def flaky_proxy(upstream: str) -> Iterator[Flaky]:
         def _forward(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
-            fault = script.next_fault(self.command, self.path)
+            pinned = "If-Match" in self.headers or "If-Unmodified-Since" in self.headers
+            fault = script.next_fault(self.command, self.path, pinned)
             if fault == "reset":
                 self.close_connection = True
                 self.connection.shutdown(2)

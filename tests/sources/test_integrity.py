@@ -88,6 +88,52 @@ def test_an_etag_that_is_no_md5_of_the_bytes_is_recognised(
     assert s3_proxy.count("GET", "/obj") == 3, "no longer checked: one read"
 
 
+def test_a_listed_s3_object_is_read_in_one_plain_request(bucket: Bucket, s3_proxy: Flaky) -> None:
+    """A whole object whose listing names its bytes (a plain MD5 ETag) needs no If-Match: bytes
+    that match the listed ETag are the listed version."""
+    bucket.put("obj", DATA)
+    source = s3_source(bucket, s3_proxy)
+    listed = source.head("obj")
+    s3_proxy.plan([])
+    assert bytes(asyncio.run(source.get_range_async("obj", 0, len(DATA), listed))) == DATA
+    assert bytes(source.get_range("obj", 0, len(DATA), listed)) == DATA
+    assert (s3_proxy.count("GET", "/obj"), s3_proxy.pinned("GET", "/obj")) == (2, 0)
+
+
+def test_a_flipped_byte_in_a_plain_request_is_read_again_pinned(bucket: Bucket, s3_proxy: Flaky) -> None:
+    bucket.put("obj", DATA)
+    source = s3_source(bucket, s3_proxy)
+    listed = source.head("obj")
+    s3_proxy.plan(["flip"], match="/obj")
+    assert bytes(asyncio.run(source.get_range_async("obj", 0, len(DATA), listed))) == DATA
+    assert (s3_proxy.count("GET", "/obj"), s3_proxy.pinned("GET", "/obj")) == (2, 1)
+
+
+@pytest.mark.parametrize("read_async", [True, False])
+def test_a_listed_s3_object_changed_since_is_object_changed(bucket: Bucket, s3_proxy: Flaky, read_async: bool) -> None:
+    """The plain request's bytes disagree with the listed ETag; the pinned one that follows
+    tells a changed object (412) from a damaged transfer."""
+    bucket.put("obj", DATA)
+    source = s3_source(bucket, s3_proxy)
+    listed = source.head("obj")
+    bucket.put("obj", DATA[::-1])
+    s3_proxy.plan([])
+    with pytest.raises(ObjectChanged, match="changed at the source since it was listed"):
+        if read_async:
+            asyncio.run(source.get_range_async("obj", 0, len(DATA), listed))
+        else:
+            source.get_range("obj", 0, len(DATA), listed)
+    assert (s3_proxy.count("GET", "/obj"), s3_proxy.pinned("GET", "/obj")) == (2, 1)
+
+
+def test_an_immutable_s3_object_changed_since_reads_as_it_is_now(bucket: Bucket, s3_proxy: Flaky) -> None:
+    bucket.put("obj", DATA)
+    source = s3_source(bucket, s3_proxy)
+    listed = source.head("obj")
+    bucket.put("obj", DATA[::-1])
+    assert bytes(asyncio.run(source.get_range_async("obj", 0, len(DATA), listed, conditional=False))) == DATA[::-1]
+
+
 def test_a_range_is_only_length_checked(bucket: Bucket, s3_proxy: Flaky) -> None:
     """A part of an object cannot be checked against a hash of the whole (the caller that
     assembles the object can): only its length is."""
