@@ -4,7 +4,7 @@ mounts of the same store, 20 ms away; and a warm sequential read of a big file.
 
     python benchmarks/fuse.py [--files 3000] [--size 113000] [--workers 2] [--batch 32]
                               [--latency-ms 20] [--busy 0.9] [--big-mib 1024] [--store moto|s3rver]
-                              [--skip rclone,s3fs,nginx,big]
+                              [--skip rclone,s3fs,nginx,big] [--immutable]
 
 The JPEGs and the accelerator step come from benchmarks/epochs.py (the step is calibrated so
 the loop on local disk keeps the accelerator --busy of the time; --busy 0 runs no step: data
@@ -260,6 +260,8 @@ def main() -> None:
     parser.add_argument("--big-mib", type=int, default=1024)
     parser.add_argument("--store", choices=sorted(S3_SERVERS), default="moto", help="the S3 server every S3 mount reads")
     parser.add_argument("--skip", default="", help="comma-separated: rclone, s3fs, nginx, big")
+    parser.add_argument("--immutable", action="store_true",
+                        help="mount the stores --immutable, as for a dataset that does not change: reads pin no version")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if os.geteuid() != 0:
@@ -282,7 +284,8 @@ def main() -> None:
         data_only = max((local(0.0) for _ in range(2)), key=lambda epoch: epoch.samples_s)
         step_s = calibrate(local, args.busy * args.batch / data_only.samples_s, args.busy) if args.busy else 0.0
         print(f"{args.files} JPEGs, {total / 2**20:,.0f} MiB; batch {args.batch}, {args.workers} DataLoader workers for "
-              f"every loop; store: {args.store} S3 {args.latency_ms:g} ms away; accelerator step {step_s * 1000:.0f} ms "
+              f"every loop; store: {args.store} S3 {args.latency_ms:g} ms away"
+              f"{' (gpufeed mounts --immutable)' if args.immutable else ''}; accelerator step {step_s * 1000:.0f} ms "
               f"(local disk alone feeds {data_only.samples_s:,.0f} samples/s)", flush=True)  # fmt: skip
 
         loops = [run_loop("local disk", root, args, step_s)]
@@ -290,7 +293,7 @@ def main() -> None:
             port = int(endpoint.rsplit(":", 1)[1])
             with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper.log") as shaped:
                 remote = f"http://127.0.0.1:{shaped}"
-                Namespace().add_mount("/s3", f"s3://{BUCKET}/train", {"endpoint": remote})
+                Namespace().add_mount("/s3", f"s3://{BUCKET}/train", {"endpoint": remote}, immutable=args.immutable)
                 gpufeed.client().agent.stats()  # the node agent runs as a service before the job starts
                 loops.append(run_feed_loop("gpufeed fuse", work / "mnt-gpufeed", "/s3", args, step_s))
                 if "rclone" not in skip and shutil.which("rclone"):
@@ -305,7 +308,7 @@ def main() -> None:
             with serving(root.parent, work / "nginx") as http_url:
                 port = int(http_url.rsplit(":", 1)[1])
                 with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper-http.log") as shaped:
-                    Namespace().add_mount("/http", f"http://127.0.0.1:{shaped}/{root.name}")
+                    Namespace().add_mount("/http", f"http://127.0.0.1:{shaped}/{root.name}", immutable=args.immutable)
                     loops.append(run_feed_loop("gpufeed fuse, nginx", work / "mnt-http", "/http", args, step_s))
             if "rclone" not in skip and shutil.which("rclone"):  # the same store for rclone: its HTTP remote
                 with serving(root.parent, work / "nginx-html", index="html") as html_url:
