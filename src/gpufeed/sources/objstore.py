@@ -337,13 +337,14 @@ class ObstoreSource:
 
     def _one_request(self, start: int, end: int, expect: ObjectInfo | None, conditional: bool) -> bool:
         """Whether a read may go without the response's metadata: one plain ranged GET, whose
-        bytes arrive in one completion instead of two (measured: `benchmarks/epochs.py`, agent
-        CPU per cold object, about a fifth less). So may a read that pins no version (an
-        immutable mount), and a read of a whole object on an object store whose listing names
-        its bytes (a manifest content hash, a plain S3 ETag): bytes that match it are the listed
-        version, which is what `If-Match` makes sure of. HTTP servers may ignore ranges, so their
-        pinned reads stay as they are; local files gain nothing. Only a first attempt goes so: a
-        retry asks in full, which tells a changed object from a damaged transfer."""
+        bytes arrive in one completion instead of two (`benchmarks/epochs.py --immutable` against
+        strict mounts: the agent's CPU per cold object over HTTP a quarter less). So may a read
+        that pins no version (an immutable mount), and a read of a whole object on an object
+        store whose listing names its bytes (a manifest content hash, a plain S3 ETag): bytes
+        that match it are the listed version, which is what `If-Match` makes sure of. HTTP
+        servers may ignore ranges, so their pinned reads stay as they are; local files gain
+        nothing. Only a first attempt goes so: a retry asks in full, which tells a changed
+        object from a damaged transfer."""
         if end <= start or self.kind == "file":
             return False
         if not conditional:
