@@ -382,11 +382,7 @@ class ObstoreSource:
 
     def _check_listed(self, key: str, start: int, end: int, expect: ObjectInfo | None, data: memoryview) -> None:
         """A one-request read's length, and a whole object's hashes as the listing names them."""
-        if len(data) != end - start:
-            raise Retryable(
-                "broken response body",
-                SourceError(f"{self.where(key)}: the store sent {len(data)} bytes for the {end - start} of [{start}, {end})"),
-            )
+        self._check_length(key, data, start, end)
         if expect is not None and start == 0 and end == expect.size:
             self._check_hashes(key, data, expect, expect.etag, set())
 
@@ -411,16 +407,20 @@ class ObstoreSource:
                 f"{where}: the object changed at the source since it was listed ({size} bytes, not {expect.size})"
             )
         first, last = result.range
-        if len(data) != last - first:
-            raise Retryable(
-                "broken response body",
-                SourceError(f"{where}: the store sent {len(data)} bytes for the {last - first} of [{first}, {last})"),
-            )
+        self._check_length(key, data, first, last)
         if (first, last) != (start, end):
             raise ObjectChanged(
                 f"{where}: the source returned {len(data)} bytes ([{first}, {last})) for [{start}, {end}); it is {size} bytes now"
             )
         return start == 0 and end == size
+
+    def _check_length(self, key: str, data: memoryview, first: int, last: int) -> None:
+        """A body that is not as long as the range it answers broke off (or ran on): retried."""
+        if len(data) != last - first:
+            raise Retryable(
+                "broken response body",
+                SourceError(f"{self.where(key)}: the store sent {len(data)} bytes for the {last - first} of [{first}, {last})"),
+            )
 
     def _check_hashes(
         self, key: str, data: memoryview, expect: ObjectInfo | None, etag: str | None, mismatches: set[str]
