@@ -36,6 +36,10 @@ MIN_WINDOW_BYTES = 16 << 20
 MAX_WINDOW_BYTES = 512 << 20
 DEFAULT_LATENCY_S = 0.05
 SAFETY = 4.0
+RATE_SPAN_S = 0.5
+"""The shortest time a consume rate is measured over. A DataLoader takes prefetch_factor x
+workers batches of indices at once when an epoch starts: over the few milliseconds that takes,
+that burst would read as gigabytes a second and stretch the window to the whole epoch."""
 BATCH_BLOCKS = 256
 RECENT_BLOCKS = 65536
 RECENT_HANDLES = 4096
@@ -191,7 +195,7 @@ class Prefetcher:
         exhausted = False
         try:
             while True:
-                rate = consumed_bytes / max(1e-3, time.monotonic() - started)
+                rate = consumed_bytes / max(RATE_SPAN_S, time.monotonic() - started)
                 target = self.window_bytes(rate)
                 batch: dict[tuple[str, int], Wanted] = {}
                 while not exhausted and (window_bytes < target or not window):

@@ -89,6 +89,19 @@ def test_the_window_is_bounded_in_bytes(files: list[str]) -> None:
     assert ahead_samples() == 0, "an ended session leads nothing"
 
 
+def test_a_burst_of_pulls_at_the_start_does_not_stretch_the_window(files: list[str]) -> None:
+    """A DataLoader takes prefetch_factor x workers batches of indices at once when an epoch
+    starts. Over the milliseconds that takes, that is no consume rate: the window stays at its
+    floor instead of growing to the whole epoch."""
+    prefetcher = Prefetcher(gpufeed.client(), min_bytes=10_000, max_bytes=1 << 20)
+    iterator = prefetcher.ahead(files, Read)
+    for _ in range(20):
+        next(iterator)
+    wait_for(lambda s: s.prefetched >= 29, "the files pulled and the window after them")
+    assert ahead_samples() == 10, "ten 1,000-byte files fill the 10,000-byte floor"
+    prefetcher.close()
+
+
 def test_ending_the_iteration_releases_pins_and_drops_queued_work(files: list[str]) -> None:
     prefetcher = Prefetcher(gpufeed.client())
     iterator = prefetcher.ahead(files, Read)
