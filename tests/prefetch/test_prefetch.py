@@ -93,12 +93,12 @@ def test_a_burst_of_pulls_at_the_start_does_not_stretch_the_window(files: list[s
     """A DataLoader takes prefetch_factor x workers batches of indices at once when an epoch
     starts. Over the milliseconds that takes, that is no consume rate: the window stays at its
     floor instead of growing to the whole epoch."""
-    prefetcher = Prefetcher(gpufeed.client(), min_bytes=10_000, max_bytes=1 << 20)
+    prefetcher = Prefetcher(gpufeed.client(), min_bytes=20_000, max_bytes=1 << 20)
     iterator = prefetcher.ahead(files, Read)
     for _ in range(20):
         next(iterator)
-    wait_for(lambda s: s.prefetched >= 29, "the files pulled and the window after them")
-    assert ahead_samples() == 10, "ten 1,000-byte files fill the 10,000-byte floor"
+    wait_for(lambda s: s.prefetched >= 39, "the files pulled and the window after them")
+    assert ahead_samples() == 20, "twenty 1,000-byte files fill the 20,000-byte floor"
     prefetcher.close()
 
 
