@@ -298,8 +298,6 @@ def test_bad_input_is_one_line(tmp_path: Path, mountpoint: Path) -> None:
             print(exc)
         """
     )
-    refused = subprocess.run([*nobody, code, str(mountpoint)], capture_output=True, text=True, check=True)
-    assert refused.stdout.strip() == f"{mountpoint}: permission denied: mount on a directory you own and can write"
     # a /dev/fuse this user may not open: a copy of the device node, root's, mode 0600, in a
     # directory anyone may search (tmp_path's parents are root's alone)
     public = Path(tempfile.mkdtemp(prefix="gpufeed-dev-"))
