@@ -15,7 +15,7 @@ cache is dropped before each loop's first epoch, so epoch 1 is cold for everyone
 node cache is new too: nothing of this dataset was ever fetched); epoch 2 is warm for
 everyone (nothing is dropped between epochs). gpufeed's mount warms the mounted path in the
 background from the moment it is mounted, as `gpufeed fuse` does by default; the loop starts
-at once. Python callbacks per file open are counted by the daemon (`gpufeed fuse ls`).
+at once. Python callbacks per file open are counted by the daemon (`gpufeed fuse ls`), per file the loop opened.
 
 A second gpufeed loop reads the same files from nginx (--skip nginx leaves it out), and so does
 rclone's HTTP remote (from an nginx listing its directories as HTML pages, which rclone parses):
@@ -177,9 +177,10 @@ def calls_now(point: Path) -> dict[str, int]:
     sys.exit(f"the gpufeed daemon at {point} wrote no state file")
 
 
-def per_open(before: dict[str, int], after: dict[str, int]) -> str:
+def per_open(before: dict[str, int], after: dict[str, int], opens: int) -> str:
+    """Callbacks per file the loop opened (`opens`): an immutable mount's daemon hears of no
+    open but the first (zero-message opens), so its own count is no denominator."""
     delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-    opens = delta.get("open", 0) or 1
     parts = ", ".join(f"{name} {count / opens:.2f}" for name, count in sorted(delta.items()) if count)
     return f"{sum(delta.values()) / opens:.2f} callbacks per open ({parts})"
 
@@ -199,7 +200,7 @@ def run_loop(name: str, root: Path, args: argparse.Namespace, step_s: float, dae
         loop.epochs.append(run_epoch(loader, step_s))
         if daemon:
             loop.daemon_cpu_s.append(cpu_s(daemon) - cpu)
-            loop.callbacks.append(per_open(before, calls_now(root)))
+            loop.callbacks.append(per_open(before, calls_now(root), len(dataset)))
         print(f"  {name}: epoch {epoch + 1} {loop.epochs[-1].samples_s:,.0f} samples/s", file=sys.stderr, flush=True)
     return loop
 

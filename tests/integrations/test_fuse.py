@@ -333,6 +333,48 @@ def test_ls_lists_mounts_with_their_callbacks(tmp_path: Path, mountpoint: Path) 
     calls = row["calls"]
     assert (calls["open"], calls["read"]) == (4, 4), "one read callback a small file"
     assert "release" not in calls, "closing a file calls no Python"
+    assert not row["zero_open"], "a strict mount pins each open's version"
+
+
+def test_an_immutable_view_opens_files_without_a_callback_and_still_sees_a_refresh(tmp_path: Path, mountpoint: Path) -> None:
+    """Every mount of the view --immutable and cached: the first open answers ENOSYS and the
+    kernel opens every file itself from then on, keeping its pages across opens, so the
+    daemon hears of a file once, at its first read. A refresh still reaches readers: the
+    daemon invalidates what changed."""
+    src = tmp_path / "src"
+    files = make_files(src, 20, 3000)
+    Namespace().add_mount("/data", f"file://{src}", immutable=True)
+    mount(mountpoint, "/data", "--no-warmup")
+    for _ in range(3):
+        assert {name: (mountpoint / name).read_bytes() for name in files} == files
+    read_at = time.time()
+    until(lambda: mount_state(mountpoint)["written"] > read_at, what="a state file written after the reads")
+    state = mount_state(mountpoint)
+    assert state["zero_open"]
+    assert state["calls"]["open"] == 1 and state["calls"]["read"] == len(files), state["calls"]
+    assert "opens cost no callback" in ok("fuse", "ls")
+
+    (src / "00000.bin").write_bytes(b"new bytes, new size")
+    ok("mount", "refresh", "/data")
+    until(lambda: (mountpoint / "00000.bin").stat().st_size == 19, what="the refresh to reach the kernel's attributes")
+    assert (mountpoint / "00000.bin").read_bytes() == b"new bytes, new size"
+    assert (mountpoint / "00001.bin").read_bytes() == files["00001.bin"]
+
+
+def test_a_view_with_one_strict_mount_pins_every_open(tmp_path: Path) -> None:
+    """Zero-message opens only where no mount of the view has a version to pin, and only with
+    the node cache on (the kernel then keeps every file's pages)."""
+    from gpufeed.integrations.fuse import _immutable_view
+
+    for name in ("a", "b", "c"):
+        make_files(tmp_path / name, 1, 100)
+    client = Client()
+    client.namespace.add_mount("/data/a", f"file://{tmp_path / 'a'}", immutable=True)
+    client.namespace.add_mount("/data/b", f"file://{tmp_path / 'b'}")
+    client.namespace.add_mount("/other", f"file://{tmp_path / 'c'}", {"cache": "off"}, immutable=True)
+    assert _immutable_view(client, "/data/a") and _immutable_view(client, "/data/a/sub")
+    assert not _immutable_view(client, "/data") and not _immutable_view(client, "/")
+    assert not _immutable_view(client, "/other")
 
 
 def test_a_listed_directory_is_opened_without_a_lookup_callback_per_file(tmp_path: Path, mountpoint: Path) -> None:
@@ -350,11 +392,16 @@ def test_a_listed_directory_is_opened_without_a_lookup_callback_per_file(tmp_pat
     assert 1 <= calls["readdir"] <= 10 and calls["open"] == len(files), calls
 
 
-def test_a_sequential_reader_of_a_big_file_has_the_next_blocks_prefetched(tmp_path: Path, mountpoint: Path) -> None:
+@pytest.mark.parametrize("immutable", [False, True], ids=["strict", "immutable"])
+def test_a_sequential_reader_of_a_big_file_has_the_next_blocks_prefetched(
+    tmp_path: Path, mountpoint: Path, immutable: bool
+) -> None:
+    """Read-ahead follows an open file; with zero-message opens (immutable) there is no open
+    to follow, and it follows the path."""
     data = os.urandom(20 << 20)  # five 4 MiB blocks
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "big.bin").write_bytes(data)
-    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}", immutable=immutable)
     mount(mountpoint, "/data", "--no-warmup")
     with open(mountpoint / "big.bin", "rb") as f:
         assert f.read(1 << 20) == data[: 1 << 20]

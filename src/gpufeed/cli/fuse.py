@@ -88,9 +88,12 @@ def _list(settings: Settings, as_json: bool) -> None:
         if st.get("warmup"):
             warm = "done" if st.get("warm_done") else f"{st.get('warm_files', 0)}/{st.get('warm_total', 0)} files"
         status = "alive" if m.alive else "dead (the next 'gpufeed fuse' there cleans it)"
+        if st.get("zero_open"):  # the kernel opens files itself: the daemon counts no opens but the first
+            per_file = f"reads {calls.get('read', 0)}  opens cost no callback (immutable)"
+        else:
+            per_file = f"opens {opens}  callbacks per open {sum(calls.values()) / opens if opens else 0:.2f}"
         out.print(
-            f"{m.mountpoint}  {m.nspath}  pid {st.get('pid', '?')}  {status}  opens {opens}  "
-            f"callbacks per open {sum(calls.values()) / opens if opens else 0:.2f}  warmup {warm}"
+            f"{m.mountpoint}  {m.nspath}  pid {st.get('pid', '?')}  {status}  {per_file}  warmup {warm}"
             f"{'' if st.get('read_ahead', True) else '  read-ahead off'}",
             highlight=False,
             soft_wrap=True,

@@ -15,6 +15,9 @@ Why it is shaped this way:
   release callback, see OPENS_KEPT), so a warm open costs one callback. A refresh that
   changes an object is seen by `_watch`, which invalidates what the kernel holds for it; its
   next open drops the pages.
+- A view whose every mount is --immutable and cached has nothing to pin at open: its opens
+  cost no message at all (`zero_open`, the kernel's zero-message open), so a warm epoch
+  asks the daemon nothing and a cold one asks one read per small file.
 - Callbacks arrive on libfuse's threads, whose Python thread state (and so every
   threading.local, the agent connection among them) lives for one callback only. Prefetch
   sessions end with the connection that opened them, so warmup and read-ahead are sent from
@@ -48,6 +51,7 @@ from gpufeed.errors import GpufeedError, IsADirectory, NamespacePathError
 from gpufeed.integrations.fuse_mounts import FuseError, MountState, state_file
 from gpufeed.integrations.fuse_prefetch import MountPrefetch
 from gpufeed.logsetup import configure
+from gpufeed.mount_options import CachePolicy
 from gpufeed.paths import FileStat
 
 # mfusepy takes the first of libfuse2 and libfuse3 it finds; gpufeed is built on libfuse3 (fuse3
@@ -83,6 +87,10 @@ FILL_DIR_PLUS = 1 << 1
 """libfuse3's FUSE_FILL_DIR_PLUS (`fuse_fill_dir_flags`): the entry's attributes are complete."""
 CAP_READDIRPLUS_AUTO = 1 << 14
 """libfuse3's FUSE_CAP_READDIRPLUS_AUTO: READDIRPLUS for a listing's first page only."""
+CAP_NO_OPEN_SUPPORT = 1 << 17
+"""libfuse3's FUSE_CAP_NO_OPEN_SUPPORT: the kernel takes ENOSYS from open as "opens need no
+message" and from then on opens every file itself, sends no release, and keeps each file's
+page cache across opens."""
 
 
 @dataclass
@@ -118,8 +126,9 @@ class FeedOperations(mfusepy.Operations):
         self.state = state
         self.calls: Counter[str] = Counter()
         self.uid, self.gid = os.getuid(), os.getgid()
-        self._opens: dict[int, _Open] = {}
-        """File handle → its open file's state, the OPENS_KEPT newest."""
+        self._opens: dict[int | str, _Open] = {}
+        """File handle (or, with zero-message opens, FUSE path) → its open file's state, the
+        OPENS_KEPT newest."""
         self._opened = 0
         self._lock = threading.Lock()
         self._listings: dict[str, list[tuple[str, FileStat | None]]] = {}
@@ -141,6 +150,9 @@ class FeedOperations(mfusepy.Operations):
         if conn_info is not None:
             conn_info.max_readahead = MAX_READ
             conn_info.want &= ~CAP_READDIRPLUS_AUTO  # READDIRPLUS for every page of a listing, not its first only
+        self.state.zero_open = bool(
+            self.state.zero_open and conn_info is not None and conn_info.capable & CAP_NO_OPEN_SUPPORT
+        )
         self.prefetcher.start()
         threading.Thread(target=self._watch, name="gpufeed-fuse-watch", daemon=True).start()
 
@@ -218,6 +230,8 @@ class FeedOperations(mfusepy.Operations):
         self.calls["open"] += 1
         if fi.flags & os.O_ACCMODE != os.O_RDONLY:
             raise mfusepy.FuseOSError(errno.EROFS)
+        if self.state.zero_open:  # the first open's answer: the kernel opens every file itself from now on
+            raise mfusepy.FuseOSError(errno.ENOSYS)
         try:
             handle = self.client.handle(self._ns(path))
         except IsADirectory:
@@ -236,7 +250,21 @@ class FeedOperations(mfusepy.Operations):
         self._keep(fi.fh, _Open(handle))
         return 0
 
-    def _keep(self, fh: int, opened: _Open) -> None:
+    def _path_open(self, path: str) -> _Open:
+        """With zero-message opens no open pins a version: a read takes the path's current
+        handle (an immutable mount's listed object, remembered by the client), and a
+        sequential reader's state follows the path until a refresh gives it a new handle."""
+        try:
+            handle = self.client.handle(self._ns(path))
+        except GpufeedError as exc:
+            self._failed("read", path, exc)
+        opened = self._opens.get(path)
+        if opened is None or opened.handle is not handle:
+            opened = _Open(handle)
+            self._keep(path, opened)
+        return opened
+
+    def _keep(self, fh: int | str, opened: _Open) -> None:
         with self._lock:
             self._opens[fh] = opened
             if len(self._opens) > OPENS_KEPT:
@@ -250,7 +278,10 @@ class FeedOperations(mfusepy.Operations):
         """A read request into libfuse's reply buffer (`_FeedFUSE.read`): cached bytes are copied
         there once, from where they lie (`Client.read_into`)."""
         self.calls["read"] += 1
-        opened = self._opens.get(fh.fh) or self._reopened(path, fh.fh)
+        if self.state.zero_open:
+            opened = self._path_open(path)
+        else:
+            opened = self._opens.get(fh.fh) or self._reopened(path, fh.fh)
         handle = opened.handle
         try:
             length = self.client.read_into(handle, offset, target)
@@ -390,6 +421,16 @@ class _FeedFUSE(mfusepy.FUSE):
 mfusepy._libfuse.fuse_invalidate_path.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 
 
+def _immutable_view(client: Client, nspath: str) -> bool:
+    """Whether every mount under `nspath` (or holding it) is --immutable with the node cache on:
+    such a view has no version to pin at open, so its opens may cost no message. Decided when
+    the view is mounted: a strict mount added under it later is read without an open to pin
+    its versions until the view is mounted again."""
+    below = nspath.rstrip("/") + "/"
+    mounts = [m for m in client.namespace.mounts() if m.path.startswith(below) or f"{nspath}/".startswith(f"{m.path}/")]
+    return bool(mounts) and all(m.immutable and CachePolicy.of(m, client.settings).enabled for m in mounts)
+
+
 def serve(mountpoint: Path, nspath: str, *, warmup: bool = True, read_ahead: bool = True, client: Client | None = None) -> None:
     """Mount and serve until unmounted (`gpufeed fuse stop`, fusermount3 -u) or SIGTERM/SIGINT,
     which libfuse turns into an unmount; blocks in the foreground."""
@@ -397,7 +438,7 @@ def serve(mountpoint: Path, nspath: str, *, warmup: bool = True, read_ahead: boo
     item = client.stat(nspath)
     if not item.is_dir:
         raise GpufeedError(f"{nspath}: is a file; mount a directory of the namespace")
-    state = MountState(str(mountpoint), nspath, os.getpid(), time.time(), warmup, read_ahead)
+    state = MountState(str(mountpoint), nspath, os.getpid(), time.time(), warmup, read_ahead, _immutable_view(client, nspath))
     operations = FeedOperations(client, nspath, state)
     try:
         _FeedFUSE(

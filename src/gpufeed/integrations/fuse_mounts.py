@@ -35,6 +35,9 @@ class MountState:
     started: float
     warmup: bool
     read_ahead: bool = True
+    zero_open: bool = False
+    """Opens cost no message (every mount of the view is --immutable and cached): the daemon
+    hears of a file first at its first read, and never of a warm open."""
     calls: dict[str, int] = field(default_factory=dict)
     warm_files: int = 0
     warm_total: int = 0
