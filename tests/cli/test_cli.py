@@ -127,6 +127,21 @@ def test_output_that_cannot_be_written_is_one_line(dataset: Path) -> None:
     assert result.stderr.strip() == "gpufeed: error: cannot write to standard output: No space left on device"
 
 
+def test_a_path_with_brackets_is_printed_as_it_is_on_one_line(tmp_path: Path) -> None:
+    """Output is plain text: `[/x]` is no closing tag to fail on, `[bold]` no style to drop, and
+    a line read by a script (no terminal, no COLUMNS) is not broken at 80 columns."""
+    data = tmp_path / f"data[/x] and [bold]{'d' * 80}"  # a dir `data[` holding `x] and [bold]ddd…`
+    data.mkdir(parents=True)
+    (data / "f.txt").write_bytes(b"hi")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    command = [sys.executable, "-m", "gpufeed", "mount"]
+    added = subprocess.run([*command, "add", "/brackets", str(data)], capture_output=True, text=True, env=env, timeout=120)
+    assert added.returncode == 0, added.stderr
+    assert added.stdout == f"mounted file://{data} at /brackets: 1 files, 2 B\n"
+    removed = subprocess.run([*command, "rm", "/brackets"], capture_output=True, text=True, env=env, timeout=120)
+    assert removed.returncode == 0 and removed.stdout == f"removed mount /brackets (file://{data})\n", removed.stderr
+
+
 def test_secrets_never_reach_the_screen() -> None:
     shown = fails(1, "mount", "ls", env={"GPUFEED_META": f"redis://user:s3cretpw@127.0.0.1:{free_port()}/0"})
     assert "s3cretpw" not in shown and "redis://127.0.0.1:" in shown

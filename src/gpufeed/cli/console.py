@@ -12,8 +12,10 @@ from rich.console import Console
 
 from gpufeed.errors import WriteError
 
-out = Console()
-err = Console(stderr=True)
+out = Console(markup=False, highlight=False, soft_wrap=True)
+"""Plain text: a path or URL with brackets in it is printed as it is (rich markup would take
+`[/x]` for a closing tag and fail), and a line piped to a script is not broken at 80 columns."""
+err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
 
 
 def command_group(**options: Any) -> typer.Typer:
