@@ -140,6 +140,23 @@ def _writes(method: Callable[Concatenate[SqliteEngine, P], R]) -> Callable[Conca
 
 @engine_errors(sqlite3.OperationalError, sqlite3.DatabaseError)
 @_fork_safe
+def _private(path: Path) -> None:
+    """The database holds mounts' options, credentials among them: readable by its owner only
+    (SQLite gives its WAL and shared-memory files the database's mode). A database made
+    world-readable by an earlier release is narrowed when its owner opens it."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    except OSError:
+        return  # a read-only home or another user's database: opened (or refused) as before
+    for file in (path, path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")):
+        try:
+            info = file.stat()
+            if info.st_uid == os.getuid() and info.st_mode & 0o077:
+                file.chmod(0o600)
+        except OSError:
+            pass
+
+
 class SqliteEngine:
     """Opening never writes unless the database must be created or migrated, so reading
     commands work on a read-only or full GPUFEED_HOME. Where SQLite cannot open it for reading
@@ -183,9 +200,11 @@ class SqliteEngine:
         try:
             if not self.path.exists():
                 self.path.parent.mkdir(parents=True, exist_ok=True)
+                _private(self.path)
                 conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
                 conn.execute("PRAGMA journal_mode=WAL")
             else:
+                _private(self.path)
                 conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
             version = self._version(conn)
         except (sqlite3.Error, OSError) as exc:
