@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -331,6 +332,24 @@ def test_sigterm_stops_the_agent_cleanly(tmp_path: Path, gpufeed_home: Path, bus
     log = (gpufeed_home / "cache" / "agent.log").read_text()
     assert "Traceback" not in log and "Error" not in log, log
     assert f"agent {pid} stopped" in log
+
+
+def test_an_agent_whose_cache_dir_is_removed_exits_and_the_next_reader_starts_another(tmp_path: Path, gpufeed_home: Path) -> None:
+    """`rm -rf` of the cache dir under a serving agent: the agent exits with one line in its
+    log, rather than refusing every reader's handshake until it is killed by hand, and the
+    next read starts an agent that makes the dir again."""
+    files = make_files(tmp_path / "src", 2, 1000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    assert Client().read("/data/00000.bin") == files["00000.bin"]
+    pid = stats().pid
+    shutil.rmtree(gpufeed_home / "cache")
+    deadline = time.monotonic() + 30
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert gone(pid)
+    client = Client()
+    assert client.read("/data/00001.bin") == files["00001.bin"]
+    assert client.agent.stats().pid != pid and block_files(gpufeed_home / "cache")
 
 
 def test_single_flight_across_processes_and_threads(nginx: HttpServer, tmp_path: Path) -> None:

@@ -71,6 +71,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpufeed.agent")
 
 _PEER = struct.Struct("3i")  # struct ucred: pid, uid, gid
+CACHE_DIR_CHECK_S = 1.0
+"""How often the agent checks that its cache dir is still there."""
 
 
 @dataclass
@@ -402,6 +404,17 @@ class Agent:
             self.last_activity = time.monotonic()
             writer.close()
 
+    async def _watch_cache_dir(self) -> None:
+        """An agent whose cache dir was removed under it (`rm -rf` of GPUFEED_HOME) can neither
+        serve nor be found by its state file: it exits, and the next reader starts an agent
+        that makes the dir again."""
+        assert self._stop is not None
+        while not self._stop.is_set():
+            await asyncio.sleep(CACHE_DIR_CHECK_S)
+            if not self.config.primary.is_dir():
+                log.error("cache dir %s was removed while this agent served it: exiting", self.config.primary)
+                self._stop.set()
+
     async def _watch_idle(self) -> None:
         assert self._stop is not None and self.config.idle_timeout is not None
         while not self._stop.is_set():
@@ -434,12 +447,14 @@ class Agent:
         except OSError as exc:  # a full cache dir must not stop the agent from serving uncached
             log.warning("cannot write %s: %s", state, exc.strerror)
         watcher = asyncio.create_task(self._watch_idle()) if self.config.idle_timeout else None
+        dir_watcher = asyncio.create_task(self._watch_cache_dir())
         log.info("agent %d serving %s", os.getpid(), ", ".join(map(str, self.config.dirs)))
         try:
             await self._stop.wait()
         finally:
             if watcher:
                 watcher.cancel()
+            dir_watcher.cancel()
             self.coverage.stop()
             if stop_http is not None:
                 await stop_http()

@@ -7,11 +7,13 @@ fetches are idempotent, so a `kill -9` costs a retry, not a failed read.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -51,6 +53,7 @@ START_BACKOFF_S = 10.0
 ATTEMPTS = 4
 RETRY_PAUSE_S = 0.025
 EXIT_ALREADY_RUNNING = 3  # AgentRunning's exit code: another starter won the race; connect to it
+_PEER = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class AgentUnavailable(GpufeedError):
@@ -406,8 +409,13 @@ def gone(pid: int) -> bool:
         return True
 
 
-def _pid_of(primary: Path) -> int | None:
-    """The pid an agent wrote in its state file while it serves."""
+def _pid_of(primary: Path, sock: socket.socket) -> int | None:
+    """The pid of the agent at the other end of `sock`, as the kernel tells it (its state file
+    may be gone with its cache dir); else the one it wrote in its state file."""
+    with contextlib.suppress(OSError):
+        pid, uid, _ = _PEER.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER.size))
+        if pid > 0 and uid == os.getuid():
+            return int(pid)
     try:
         return int(json.loads((primary / "agent.json").read_text())["pid"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -417,7 +425,8 @@ def _pid_of(primary: Path) -> int | None:
 def stop_agent(settings: Settings, timeout: float = 10.0) -> int | None:
     """Ask the agent for the settings' cache dir to exit and wait until its process is gone;
     returns its pid, or None when no agent was running. An agent of another release, which
-    refuses this one's messages, is sent SIGTERM by the pid in its state file."""
+    refuses this one's messages (or whose cache dir is gone), is sent SIGTERM by the pid the
+    kernel gives for its socket."""
     agent = AgentClient(settings)
     pid: int | None
     try:
@@ -427,8 +436,8 @@ def stop_agent(settings: Settings, timeout: float = 10.0) -> int | None:
         sock = connect(settings.cache_dirs[0])
         if sock is None:
             return None
-        sock.close()
-        pid = _pid_of(settings.cache_dirs[0])
+        with sock:
+            pid = _pid_of(settings.cache_dirs[0], sock)
         if pid is None:
             return None
         os.kill(pid, signal.SIGTERM)
