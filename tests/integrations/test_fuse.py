@@ -385,6 +385,8 @@ def test_a_listed_directory_is_opened_without_a_lookup_callback_per_file(tmp_pat
     mount(mountpoint, "/data", "--no-warmup")
     listed = {entry.name: entry.stat().st_size for entry in os.scandir(mountpoint)}
     assert listed == {name: len(data) for name, data in files.items()}
+    shown = subprocess.run(["ls", "-a", str(mountpoint)], capture_output=True, text=True, check=True).stdout.split()
+    assert shown == [".", "..", *sorted(files)], "ls -a shows . and .. too"
     assert all((mountpoint / name).read_bytes() == data for name, data in files.items())
     until(lambda: mount_state(mountpoint)["calls"].get("read") == len(files), what="the state file")
     calls = mount_state(mountpoint)["calls"]

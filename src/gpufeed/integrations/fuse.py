@@ -87,6 +87,9 @@ FILL_DIR_PLUS = 1 << 1
 """libfuse3's FUSE_FILL_DIR_PLUS (`fuse_fill_dir_flags`): the entry's attributes are complete."""
 CAP_READDIRPLUS_AUTO = 1 << 14
 """libfuse3's FUSE_CAP_READDIRPLUS_AUTO: READDIRPLUS for a listing's first page only."""
+DOT_ENTRY = {"st_mode": stat.S_IFDIR | 0o555, "st_ino": 1}
+"""`.` and `..` in a READDIRPLUS page: libfuse looks neither up, so the entry's inode number is
+the one given here, and readdir(3) skips an entry whose number is 0 (`ls -a` showed neither)."""
 CAP_NO_OPEN_SUPPORT = 1 << 17
 """libfuse3's FUSE_CAP_NO_OPEN_SUPPORT: the kernel takes ENOSYS from open as "opens need no
 message" and from then on opens every file itself, sends no release, and keeps each file's
@@ -224,7 +227,7 @@ class FeedOperations(mfusepy.Operations):
                     del self._listings[next(iter(self._listings))]
         parent = path.rstrip("/")
         for name, item in itertools.islice(entries, offset, None):
-            yield name, {"st_mode": stat.S_IFDIR | 0o555} if item is None else self._attributes(f"{parent}/{name}", item)
+            yield name, DOT_ENTRY if item is None else self._attributes(f"{parent}/{name}", item)
 
     def open(self, path: str, fi: Any) -> int:
         self.calls["open"] += 1
