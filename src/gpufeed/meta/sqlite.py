@@ -138,8 +138,6 @@ def _writes(method: Callable[Concatenate[SqliteEngine, P], R]) -> Callable[Conca
     return call
 
 
-@engine_errors(sqlite3.OperationalError, sqlite3.DatabaseError)
-@_fork_safe
 def _private(path: Path) -> None:
     """The database holds mounts' options, credentials among them: readable by its owner only
     (SQLite gives its WAL and shared-memory files the database's mode). A database made
@@ -157,6 +155,8 @@ def _private(path: Path) -> None:
             pass
 
 
+@engine_errors(sqlite3.OperationalError, sqlite3.DatabaseError)
+@_fork_safe
 class SqliteEngine:
     """Opening never writes unless the database must be created or migrated, so reading
     commands work on a read-only or full GPUFEED_HOME. Where SQLite cannot open it for reading
