@@ -149,6 +149,21 @@ def test_refresh_counts_added_changed_removed(namespace: Namespace, dataset: Pat
     assert list(namespace.engine.walk(mount.generation, "")) == [], "old generation is dropped"
 
 
+def test_a_refresh_that_lists_nothing_keeps_the_files_unless_allowed(namespace: Namespace, dataset: Path, tmp_path: Path) -> None:
+    """As `mount add` refuses an empty listing, so does a refresh of a mount that has files: a
+    prefix emptied by mistake must not empty the mount with exit code 0."""
+    namespace.add_mount("/data", f"file://{dataset}")
+    before = sorted(s.path for s in namespace.walk("/data"))
+    shutil.move(dataset, tmp_path / "aside")
+    dataset.mkdir()
+    with pytest.raises(MountError, match="keeps its files .--allow-empty empties it"):
+        namespace.refresh("/data")
+    assert sorted(s.path for s in namespace.walk("/data")) == before
+    _, stats = namespace.refresh("/data", allow_empty=True)
+    assert (stats.files, stats.removed) == (0, len(before))
+    namespace.refresh("/data")  # empty before, empty now: nothing to keep
+
+
 def test_failed_listing_leaves_mounts_untouched(namespace: Namespace, dataset: Path) -> None:
     namespace.add_mount("/data", f"file://{dataset}")
     before = namespace.mounts()

@@ -154,7 +154,12 @@ class Namespace:
             listed(stats)
         return mount, stats
 
-    def refresh(self, path: str, listed: Callable[[ManifestStats], None] | None = None) -> tuple[Mount, ManifestStats]:
+    def refresh(
+        self, path: str, listed: Callable[[ManifestStats], None] | None = None, *, allow_empty: bool = False
+    ) -> tuple[Mount, ManifestStats]:
+        """Re-list the mount's source into a new manifest. A listing that finds nothing where the
+        manifest has files is refused unless `allow_empty`, as `add_mount` refuses one: a prefix
+        emptied by mistake (or a store answering empty) must not empty the mount quietly."""
         mount = self.mount(path)
         self.engine.check_writable()
         self._forget_mounts()
@@ -162,10 +167,18 @@ class Namespace:
 
         source = self.source(mount)
         fmt = mount.options.get("format", "files")
+
+        def refuse_empty(stats: ManifestStats) -> None:
+            if stats.files == 0 and not allow_empty and next(self.engine.walk(mount.generation, ""), None) is not None:
+                raise MountError(
+                    f"{mount.url}: the listing finds no objects now; {mount.path} keeps its files (--allow-empty empties it)"
+                )
+
         try:
             if fmt != "gpufeed-pack":
                 return write_manifest(
-                    self.engine, mount, source, create=False, progress=listed, listing=mounting.listing(source, fmt)
+                    self.engine, mount, source, create=False, check=refuse_empty, progress=listed,
+                    listing=mounting.listing(source, fmt),
                 )
             try:
                 old = self.members(mount)

@@ -137,12 +137,13 @@ def rm(nspath: str = typer.Argument(..., help="Mount path to remove.")) -> None:
 def refresh(
     nspath: str = typer.Argument(..., help="Mount path to re-list."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr; errors still print."),
+    allow_empty: bool = typer.Option(False, "--allow-empty", help="Empty the mount when the listing finds no objects."),
 ) -> None:
     """Re-list the source and switch to the new manifest atomically."""
     from gpufeed.namespace import Namespace
 
     with Meter("mount refresh: listed", quiet=quiet, unit="objects", listing=True) as meter:
-        mount, stats = Namespace().refresh(nspath, lambda s: meter.update(s.files, s.bytes))
+        mount, stats = Namespace().refresh(nspath, lambda s: meter.update(s.files, s.bytes), allow_empty=allow_empty)
     out.print(
         f"refreshed {mount.path}: {stats.added} added, {stats.changed} changed, {stats.removed} removed ({_summary(stats)})",
         highlight=False,
