@@ -143,7 +143,7 @@ def test_reads_waiting_on_a_peer_leave_the_store_free(tmp_path: Path) -> None:
     asyncio.run(run())
 
 
-def test_a_repair_discards_the_damaged_block_and_fetches_it_again(tmp_path: Path) -> None:
+def test_a_repair_discards_the_damaged_block_and_fetches_it_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     data = os.urandom(5000)
     info = ObjectInfo("obj", len(data), 1.0, "v1")
     fetcher, manager, metrics = parts(tmp_path)
@@ -164,9 +164,12 @@ def test_a_repair_discards_the_damaged_block_and_fetches_it_again(tmp_path: Path
     path.write_bytes(damaged)
     with pytest.raises(CorruptBlock):
         blockfile.read(ref, 0, 0, 4096)
-    asyncio.run(run([0]))
+    with caplog.at_level("WARNING", logger="gpufeed.agent"):
+        asyncio.run(run([0]))
     assert bytes(blockfile.read(ref, 0, 0, 4096)) == data[:4096]
     assert metrics.counts["repairs"] == 1 and len(store.reads) == 2
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert line == f"block 0 of obj was damaged on disk ({path}): discarded and fetched again", "an operator hears of it"
 
 
 def test_a_block_index_outside_the_object_is_refused(tmp_path: Path) -> None:

@@ -204,6 +204,10 @@ class Fetcher:
         name = block.name
         flight = job.blocks.oid if job.verified_whole else name
         if repair and flight not in self.inflight:
+            log.warning(  # a disk that flips bits or truncates files shows here first
+                "block %d of %s was damaged on disk (%s): discarded and fetched again",
+                job.index, job.want.info.key, self.manager.path(block),
+            )
             self.sessions.unpin(name)
             self.manager.discard(block)
         elif self.manager.present(block):
