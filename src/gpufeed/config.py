@@ -127,6 +127,10 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         home = Path(os.environ.get("GPUFEED_HOME") or Path.home() / ".gpufeed").expanduser()
+        if home.exists() and not home.is_dir():
+            from gpufeed.errors import InvalidArgument
+
+            raise InvalidArgument(f"GPUFEED_HOME={home}: is not a directory (it holds the metadata and the cache)")
         dirs = os.environ.get("GPUFEED_CACHE_DIRS", "")
         return cls(
             home=home,

@@ -104,6 +104,9 @@ def test_errors_are_one_line_with_exit_codes(dataset: Path, bucket: Bucket, moto
     assert "is a directory" in fails(1, "cat", "/data/train")
     assert "No such command" in fails(2, "frobnicate")
     assert "Missing argument" in fails(2, "mount", "add", "/x")
+    home_file = dataset / "train" / "cats" / "0.jpg"
+    not_a_dir = f"GPUFEED_HOME={home_file}: is not a directory"
+    assert not_a_dir in fails(2, "mount", "ls", env={"GPUFEED_HOME": str(home_file)})
     assert [m["path"] for m in json.loads(ok("mount", "ls", "--json"))] == ["/data", "/s3"], "nothing stored was lost"
 
 
