@@ -142,10 +142,13 @@ def _private(path: Path) -> None:
     """The database holds mounts' options, credentials among them: readable by its owner only
     (SQLite gives its WAL and shared-memory files the database's mode). A database made
     world-readable by an earlier release is narrowed when its owner opens it."""
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    try:  # created here, never opened here: closing a descriptor of a database this process has open
+        # elsewhere would drop that connection's POSIX locks (SQLite's own warning)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
     except OSError:
-        return  # a read-only home or another user's database: opened (or refused) as before
+        return  # a read-only home: opened (or refused) as before
     for file in (path, path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")):
         try:
             info = file.stat()
