@@ -177,6 +177,8 @@ def test_bad_inputs_one_line(bucket: Bucket, tmp_path: Path, dataset: Path) -> N
     ok("mount", "add", "/empty", f"file://{tmp_path}/empty", "--allow-empty")
     assert "/empty: no files to pack" in fails(1, "pack", "/empty", f"file://{tmp_path}/p1")
     assert "/data/none: nothing to pack" in fails(1, "pack", "/data/none", f"file://{tmp_path}/p2")
+    inside = fails(2, "pack", "/data/train", f"{dataset}/packed")  # the next pack of /data would pack it again
+    assert f"file://{dataset}/packed: inside the source of /data (file://{dataset})" in inside
     ok("pack", "/data", f"file://{tmp_path}/p3")
     (tmp_path / "p3" / INDEX_KEY).write_bytes(b"GFPACK\x00\x01garbage")
     line = fails(1, "mount", "add", "/p3", f"file://{tmp_path}/p3")

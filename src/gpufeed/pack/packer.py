@@ -128,10 +128,26 @@ class Plan:
         return _current_digest(self.dest, existing) == self.digest and all(existing.get(s.key) == s.size for s in self.shards)
 
 
+def _outside_sources(client: Client, nspath: str, dest: Source) -> None:
+    """A pack written under the source it packs would be listed by the source's next refresh,
+    and packed again by the next pack of `nspath`: refused."""
+    path = normalize(nspath)
+    for mount in client.namespace.mounts():
+        if not (mount.path.startswith(path.rstrip("/") + "/") or f"{path}/".startswith(f"{mount.path}/")):
+            continue
+        source = client.namespace.source(mount)
+        if f"{dest.url}/".startswith(f"{source.url}/") and getattr(dest, "endpoint", None) == getattr(source, "endpoint", None):
+            raise InvalidArgument(
+                f"{dest.url}: inside the source of {mount.path} ({source.url}); a pack there would be packed again by the "
+                f"next pack of {path}: write it elsewhere"
+            )
+
+
 def prepare(client: Client, nspath: str, dest: Source, *, shard_size: int, order: Path | None = None) -> Plan:
     """Walk `nspath` (from the manifest), lay out the shards, and list what `dest` holds."""
     if shard_size < 4096:
         raise InvalidArgument(f"--shard-size {shard_size}: must be at least 4KiB")
+    _outside_sources(client, nspath, dest)
     files = members(client, nspath, order)
     items = [Item(path, item.size, item.version or "") for path, item in files]
     block_size = client.settings.block_size
