@@ -127,7 +127,7 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         home = Path(os.environ.get("GPUFEED_HOME") or Path.home() / ".gpufeed").expanduser()
-        if home.exists() and not home.is_dir():
+        if os.path.exists(home) and not os.path.isdir(home):  # False, not an error, where it may not be looked at
             from gpufeed.errors import InvalidArgument
 
             raise InvalidArgument(f"GPUFEED_HOME={home}: is not a directory (it holds the metadata and the cache)")
