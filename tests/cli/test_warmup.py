@@ -57,7 +57,9 @@ def test_a_killed_warmup_resumes_where_it_stopped(nginx: HttpServer, tmp_path: P
     for i in range(150):
         (site / f"{i:04d}.bin").write_bytes(os.urandom(2000))
     upstream = urlsplit(nginx.url)
-    with shaping((upstream.hostname, upstream.port), 30, None, tmp_path / "shaper.log") as port:
+    # 80 ms a request, 2 in flight: the 110 files after the 40th take 4.4 s, time enough for the two
+    # status commands below to start on a slow machine before the kill (30 ms left 1.6 s: too little)
+    with shaping((upstream.hostname, upstream.port), 80, None, tmp_path / "shaper.log") as port:
         Namespace().add_mount("/slow", f"http://127.0.0.1:{port}/{site.name}")
 
         def gets() -> int:
