@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import socket
-import struct
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -70,7 +69,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpufeed.agent")
 
-_PEER = struct.Struct("3i")  # struct ucred: pid, uid, gid
 CACHE_DIR_CHECK_S = 1.0
 """How often the agent checks that its cache dir is still there."""
 
@@ -346,8 +344,7 @@ class Agent:
     def _peer(self, writer: asyncio.StreamWriter) -> tuple[int, int]:
         """The connected process's pid and uid."""
         sock: socket.socket = writer.get_extra_info("socket")
-        pid, uid, _ = _PEER.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER.size))
-        return pid, uid
+        return codec.peer(sock)
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The first message must be a Hello of this protocol version."""

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -53,7 +52,6 @@ START_BACKOFF_S = 10.0
 ATTEMPTS = 4
 RETRY_PAUSE_S = 0.025
 EXIT_ALREADY_RUNNING = 3  # AgentRunning's exit code: another starter won the race; connect to it
-_PEER = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class AgentUnavailable(GpufeedError):
@@ -413,7 +411,7 @@ def _pid_of(primary: Path, sock: socket.socket) -> int | None:
     """The pid of the agent at the other end of `sock`, as the kernel tells it (its state file
     may be gone with its cache dir); else the one it wrote in its state file."""
     with contextlib.suppress(OSError):
-        pid, uid, _ = _PEER.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER.size))
+        pid, uid = codec.peer(sock)
         if pid > 0 and uid == os.getuid():
             return int(pid)
     try:

@@ -201,14 +201,13 @@ class SqliteEngine:
 
     def _open(self) -> sqlite3.Connection:
         try:
-            if not self.path.exists():
+            created = not self.path.exists()
+            if created:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                _private(self.path)
-                conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+            _private(self.path)
+            conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+            if created:
                 conn.execute("PRAGMA journal_mode=WAL")
-            else:
-                _private(self.path)
-                conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
             version = self._version(conn)
         except (sqlite3.Error, OSError) as exc:
             if not self.path.exists() or self.path.stat().st_size == 0:

@@ -39,6 +39,16 @@ def address(cache_dir: Path) -> str:
     return "\0gpufeed-agent-" + xxhash.xxh3_64_hexdigest(os.path.realpath(cache_dir).encode())
 
 
+_PEER = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer(sock: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a connected Unix socket, as the
+    kernel recorded them when it connected (SO_PEERCRED): the agent's readers, a reader's agent."""
+    pid, uid, _ = _PEER.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER.size))
+    return pid, uid
+
+
 def frame(message: msgspec.Struct) -> bytes:
     body = _encoder.encode(message)
     return _LENGTH.pack(len(body)) + body
