@@ -152,11 +152,13 @@ def packing(label: str, root: Path, work: Path, args: argparse.Namespace) -> Non
 
 def index_load(members: int) -> None:
     """How long a pack index of `members` members takes to decode and walk (paths and offsets)."""
+    from gpufeed.blocks import sums_length
     from gpufeed.pack import index as idx
 
     rows = [(f"train/n{n % 1000:08d}/img_{n:07d}.jpg", n // 2300, (n % 2300) * 113_000, 113_000, 1.7e9, bytes(32))
             for n in range(members)]
-    data = idx.encode(idx.build("x", 4 << 20, [(f"s{n}", 2300 * 113_000) for n in range(members // 2300 + 1)], rows))
+    shards = [(f"s{n}", 2300 * 113_000) for n in range(members // 2300 + 1)]
+    data = idx.encode(idx.build("x", 4 << 20, shards, rows, bytes(sum(sums_length(size) for _, size in shards))))
     started = time.perf_counter()
     index = idx.decode(data, "bench")
     decoded = time.perf_counter() - started

@@ -33,6 +33,7 @@ from common import scratch_home
 from torch.utils.data import DataLoader, Subset
 
 import gpufeed
+from gpufeed.blocks import chunk_sums
 from gpufeed.integrations.torch import FeedDataset
 from gpufeed.pack import index as idx
 from gpufeed.pack.layout import INDEX_KEY
@@ -48,6 +49,7 @@ def write_pack(root: Path, members: int, size: int) -> list[str]:
     shards = plan(items, 256 * MIB, 4 * MIB)
     payload = np.random.default_rng(0).integers(0, 256, size + members, dtype=np.uint8).tobytes()
     rows = []
+    sums = []
     for shard in shards:
         data = bytearray(shard.size)
         for n, offset in shard.members:
@@ -56,7 +58,8 @@ def write_pack(root: Path, members: int, size: int) -> list[str]:
             rows.append((paths[n], shard.number, offset, size, 1.7e9, hashlib.sha256(member).digest()))
         (root / shard.key).parent.mkdir(parents=True, exist_ok=True)
         (root / shard.key).write_bytes(data)
-    index = idx.build(pack_digest(shards, 4 * MIB), 4 * MIB, [(s.key, s.size) for s in shards], rows)
+        sums.append(chunk_sums(data))
+    index = idx.build(pack_digest(shards, 4 * MIB), 4 * MIB, [(s.key, s.size) for s in shards], rows, b"".join(sums))
     (root / INDEX_KEY).write_bytes(idx.encode(index))
     return paths
 

@@ -12,16 +12,23 @@ hash and the index), the data length and one xxh3-64 checksum per 256 KiB chunk.
 checks the identity against the name it opened, so a valid block of another object copied
 under this name is as damaged as a flipped bit: discarded and fetched again. Per-chunk sums let
 a 100 KB read verify 100 KB, not 4 MiB.
+
+The same sums, taken over a whole object, are what a gpufeed pack's index lists for each shard
+(`ObjectInfo.chunk_sums`): a block of a multiple of CHUNK starts on a chunk of its object, so
+the sums the agent computes to write its header are the ones to compare with the index's, and
+a shard's blocks are checked one by one, in the same pass, as they arrive.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import struct
 from dataclasses import dataclass
 
 import xxhash
 
+from gpufeed.errors import ObjectCorrupted
 from gpufeed.sources.base import ObjectInfo
 
 MAGIC = b"GFB2"
@@ -41,6 +48,14 @@ and version only (README, "What gpufeed checks")."""
 
 class CorruptBlock(Exception):
     """A block file whose header, identity or checksum does not match; it must be discarded and refetched."""
+
+
+class ChunkMismatch(Exception):
+    """Fetched bytes whose chunk sums are not the ones the object's listing vouches for: never published."""
+
+    def __init__(self, chunk: int, got: int, listed: int) -> None:
+        super().__init__(f"chunk {chunk}")
+        self.chunk, self.got, self.listed = chunk, got, listed
 
 
 def block_length(object_size: int, block_size: int, index: int) -> int:
@@ -120,11 +135,18 @@ def object_blocks(url: str, options: dict[str, str], info: ObjectInfo, block_siz
     object matched it, so they too get names of their own: a block cached unchecked (by a mount
     without the hash) is never served as a checked one. The hash names those bytes exactly, so it
     stands for the version: an object written through gpufeed keeps its blocks' names when its
-    upload adds the store's ETag to the manifest."""
+    upload adds the store's ETag to the manifest. Chunk sums (a pack's shard) name the bytes the
+    same way, when the blocks are cut where chunks start (`sums_checked`)."""
     if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block size {block_size} is outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
     mark = "" if checked else "\0unchecked"
-    bytes_named = f"#{info.content_hash}" if info.content_hash else info.version
+    if info.content_hash:
+        bytes_named = f"#{info.content_hash}"
+    elif sums_checked(info, block_size):
+        assert info.chunk_sums is not None
+        bytes_named = f"#chunks:{xxhash.xxh3_128_hexdigest(info.chunk_sums)}"
+    else:
+        bytes_named = info.version
     identity = f"{source_identity(url, options)}\0{info.key}\0{bytes_named}\0{block_size}{mark}"
     return ObjectBlocks(xxhash.xxh3_128_hexdigest(identity.encode()), info.size, block_size)
 
@@ -136,12 +158,75 @@ def expected_header(oid: str, index: int, length: int) -> bytes:
     return BlockId(oid, index).fixed_header(length)
 
 
-def encode(block: BlockId, data: memoryview | bytes) -> tuple[bytes, memoryview]:
-    """Header for `data` as block `block`; the caller writes header then data."""
+def chunk_sums(data: memoryview | bytes) -> bytes:
+    """xxh3-64 of each CHUNK of `data` (the last one short), little-endian: a block header's
+    sums, and a pack index's for a shard."""
     view = memoryview(data).cast("B")
-    n = chunk_count(len(view))
-    sums = [xxhash.xxh3_64_intdigest(view[i * CHUNK : (i + 1) * CHUNK]) for i in range(n)]
-    return block.fixed_header(len(view)) + struct.pack(f"<{n}Q", *sums), view
+    n = -(-len(view) // CHUNK)
+    return struct.pack(f"<{n}Q", *(xxhash.xxh3_64_intdigest(view[i * CHUNK : (i + 1) * CHUNK]) for i in range(n)))
+
+
+def sums_length(size: int) -> int:
+    """Bytes of the chunk sums of an object of `size` bytes."""
+    return SUM.size * -(-size // CHUNK)
+
+
+def sums_checked(info: ObjectInfo, block_size: int) -> bool:
+    """Whether the object's blocks of `block_size` are checked against its listed chunk sums:
+    only blocks cut where chunks start are (the default 4 MiB is 16 chunks)."""
+    return info.chunk_sums is not None and block_size % CHUNK == 0
+
+
+def listed_sums(info: ObjectInfo, start: int, length: int) -> bytes:
+    """The listed sums of the chunks of bytes [start, start + length), `start` on a chunk."""
+    assert info.chunk_sums is not None
+    first = start // CHUNK
+    return info.chunk_sums[SUM.size * first : SUM.size * (first + chunk_count(length))]
+
+
+def chunk_span(info: ObjectInfo, start: int, end: int) -> tuple[int, int]:
+    """[start, end) widened to whole chunks where the object has listed chunk sums: the least a
+    read straight from the store can check."""
+    if info.chunk_sums is None:
+        return start, end
+    return start - start % CHUNK, min(info.size, -(-end // CHUNK) * CHUNK)
+
+
+def mismatch(info: ObjectInfo, start: int, exc: ChunkMismatch) -> ObjectCorrupted:
+    """The one line a chunk of `info` that kept failing its listed sum ends a read with."""
+    at = start + exc.chunk * CHUNK
+    return ObjectCorrupted(
+        f"{info.key}: bytes [{at}, {min(at + CHUNK, info.size)}) hash to xxh3:{exc.got:016x}, its pack index "
+        f"lists xxh3:{exc.listed:016x} (the shard was damaged or replaced since it was packed)"
+    )
+
+
+def compare_sums(got: bytes, listed: bytes) -> None:
+    """Raise ChunkMismatch at the first chunk whose sum in `got` differs from `listed`."""
+    if got == listed:
+        return
+    ours, theirs = (struct.unpack(f"<{len(sums) // SUM.size}Q", sums) for sums in (got, listed))
+    for chunk, (a, b) in enumerate(itertools.zip_longest(ours, theirs, fillvalue=0)):
+        if a != b:
+            raise ChunkMismatch(chunk, a, b)
+
+
+def check_chunks(info: ObjectInfo, start: int, data: memoryview | bytes) -> None:
+    """Check bytes read from `start` (`chunk_span`'s) against the object's listed chunk sums."""
+    try:
+        compare_sums(chunk_sums(data), listed_sums(info, start, len(data)))
+    except ChunkMismatch as exc:
+        raise mismatch(info, start, exc) from None
+
+
+def encode(block: BlockId, data: memoryview | bytes, listed: bytes | None = None) -> tuple[bytes, memoryview]:
+    """Header for `data` as block `block`; the caller writes header then data. With `listed`
+    (the object's listed sums of the block's chunks), data whose sums differ raises ChunkMismatch."""
+    view = memoryview(data).cast("B")
+    sums = chunk_sums(view) or SUM.pack(xxhash.xxh3_64_intdigest(b""))  # an empty block has one (empty) chunk
+    if listed is not None:
+        compare_sums(sums, listed)
+    return block.fixed_header(len(view)) + sums, view
 
 
 def verify(header: memoryview, expected: bytes, chunks: memoryview, first_chunk: int) -> None:

@@ -475,7 +475,8 @@ class Namespace:
 
     def container(self, where: Resolved, member: ObjectInfo) -> ObjectInfo:
         """The object a pack member's bytes lie in (its shard), as the mount listed it: every
-        read of the member is a range of it, pinned to that version."""
+        read of the member is a range of it, pinned to that version and, for a gpufeed pack,
+        checked against the chunk sums its index lists."""
         assert member.pack_key is not None
         parent, name = object_entry(member.pack_key)
         entry = self.engine.lookup(where.mount.generation, parent, name)
@@ -484,4 +485,6 @@ class Namespace:
                 f"{where.mount.path}/{member.key}: its shard {member.pack_key} is not in the manifest; "
                 f"run 'gpufeed mount refresh {where.mount.path}'"
             )
-        return replace(entry.object_info(), key=member.pack_key)
+        table = self.members(where.mount)
+        sums = None if table is None else table.chunk_sums(member.pack_key)
+        return replace(entry.object_info(), key=member.pack_key, chunk_sums=sums)

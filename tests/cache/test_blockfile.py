@@ -8,10 +8,22 @@ from pathlib import Path
 
 import pytest
 
-from gpufeed.blocks import CHUNK, CorruptBlock, ObjectBlocks, header_length, object_blocks
+from gpufeed.blocks import (
+    CHUNK,
+    ChunkMismatch,
+    CorruptBlock,
+    ObjectBlocks,
+    check_chunks,
+    chunk_span,
+    chunk_sums,
+    header_length,
+    listed_sums,
+    object_blocks,
+)
 from gpufeed.cache import blockfile
 from gpufeed.cache.layout import BlockRef
 from gpufeed.cache.openfiles import DeletionCounter, OpenBlocks
+from gpufeed.errors import ObjectCorrupted
 from gpufeed.sources.base import ObjectInfo
 
 
@@ -188,3 +200,45 @@ def test_a_read_into_a_target_checks_what_lands_there(tmp_path: Path, held: int,
     os.truncate(Path(r.path(0)), head + 2 * CHUNK)
     with pytest.raises(CorruptBlock):
         blockfile.read(r, 0, 2 * CHUNK, 3 * CHUNK, memoryview(bytearray(CHUNK)))
+
+
+def test_a_block_is_published_only_when_its_chunks_match_the_listed_sums(tmp_path: Path) -> None:
+    """A shard's block is checked against the chunk sums its pack index lists, with the sums its
+    header is made of: a block cut where chunks start is published; one chunk off is refused
+    before anything is written."""
+    shard = os.urandom(5 * CHUNK + 1000)
+    info = ObjectInfo("shards/s0", len(shard), 0.0, "v1", chunk_sums=chunk_sums(shard))
+    blocks = object_blocks("file:///src", {}, info, 2 * CHUNK, True)
+    r = BlockRef.of((tmp_path,), blocks, True, OpenBlocks(Path("/nonexistent"), 0))
+    for index in range(blocks.count):
+        start = index * blocks.block_size
+        data = shard[start : start + blocks.length(index)]
+        blockfile.publish(r.path(index), blocks.block(index), data, listed_sums(info, start, len(data)))
+        assert bytes(blockfile.read(r, index, 0, len(data))) == data
+    damaged = bytearray(shard[2 * CHUNK : 4 * CHUNK])
+    damaged[CHUNK + 7] ^= 1
+    os.unlink(r.path(1))
+    with pytest.raises(ChunkMismatch) as caught:
+        blockfile.publish(r.path(1), blocks.block(1), damaged, listed_sums(info, 2 * CHUNK, len(damaged)))
+    assert caught.value.chunk == 1 and caught.value.got != caught.value.listed
+    assert not Path(r.path(1)).exists() and list((tmp_path / "tmp").iterdir()) == [], "nothing written"
+    with pytest.raises(ObjectCorrupted, match=r"shards/s0: bytes \[786432, 1048576\) hash to xxh3:[0-9a-f]{16}, its pack index"):
+        check_chunks(info, 2 * CHUNK, damaged)
+
+
+def test_chunk_sums_name_blocks_only_where_blocks_start_on_chunks() -> None:
+    """Checked blocks get names of their own, as a content hash gives: a block cached unchecked
+    (a version 1 index, a plain mount of the shard) is never served as a checked one; a block
+    size that is not a multiple of a chunk cannot be checked, so it keeps the version's names."""
+    plain = ObjectInfo("s0", 10 * CHUNK, 0.0, "v1")
+    summed = ObjectInfo("s0", 10 * CHUNK, 0.0, "v1", chunk_sums=bytes(80))
+    other = ObjectInfo("s0", 10 * CHUNK, 0.0, "v1", chunk_sums=bytes(72) + b"\1" * 8)
+
+    def oid(info: ObjectInfo, block_size: int) -> str:
+        return object_blocks("file:///src", {}, info, block_size, True).oid
+
+    assert len({oid(plain, 4 << 20), oid(summed, 4 << 20), oid(other, 4 << 20)}) == 3
+    assert oid(summed, CHUNK + 4096) == oid(plain, CHUNK + 4096)
+    assert chunk_span(summed, CHUNK + 5, CHUNK + 9) == (CHUNK, 2 * CHUNK)
+    assert chunk_span(summed, 9 * CHUNK + 1, 10 * CHUNK + 5) == (9 * CHUNK, 10 * CHUNK)
+    assert chunk_span(plain, 5, 9) == (5, 9)

@@ -21,8 +21,10 @@ import pytest
 
 import gpufeed
 from gpufeed.bench.faults import FaultControl
+from gpufeed.blocks import CHUNK
 from gpufeed.errors import GpufeedError
 from gpufeed.namespace import Namespace
+from tests.cli.test_cli import fails, ok
 from tests.conftest import AWS_TEST_ENV, HttpServer
 from tests.faults.conftest import Site
 
@@ -337,3 +339,81 @@ def test_verify_records_what_the_store_holds_not_a_copy_flipped_in_transit(nginx
     assert (done.recorded, done.mismatches) == (1, [])
     assert client.stat("/h/a.bin").content_hash == "sha256:" + hashlib.sha256(good).hexdigest()
     assert Client().read("/h/a.bin") == good, "a hashed object's blocks have names of their own: fetched anew, checked"
+
+
+def _packed_site(site: Site, tmp_path: Path, objects: dict[str, bytes]) -> tuple[str, ...]:
+    """`objects` packed in 1 MiB shards under `site`'s directory of nginx: what mounts the pack
+    there, after its URL (nginx's index hides the pack's directory, so a listing file names it)."""
+    raw = tmp_path / "raw"
+    for key, data in objects.items():
+        (raw / key).parent.mkdir(parents=True, exist_ok=True)
+        (raw / key).write_bytes(data)
+    ok("mount", "add", "/raw", raw.as_uri())
+    pack = site.root / "pack"
+    ok("pack", "/raw", pack.as_uri(), "--shard-size", "1MiB")
+    listing = tmp_path / "pack.list"
+    listing.write_text("".join(f"{p.relative_to(pack)} {p.stat().st_size}\n" for p in pack.rglob("*") if p.is_file()))
+    return f"{site.prefix}/pack", "--list", str(listing), "--opt", "format=gpufeed-pack"
+
+
+def test_http_flip_in_a_packs_shards_is_caught_by_its_chunk_sums(nginx_faults: FaultControl, site: Site, tmp_path: Path) -> None:
+    """Nothing on a plain HTTP server vouches for a shard's bytes (see above), but a gpufeed
+    pack's index lists each shard's chunk sums: a byte flipped in the GET of a shard block is
+    caught as the block's header is made, read again, and never delivered or cached."""
+    objects = _objects(600, seed=14)
+    pack, *how = _packed_site(site, tmp_path, objects)
+    ok("mount", "add", "/d", f"{nginx_faults.url}{pack}", *how, "--opt", "block_size=256KiB")
+    nginx_faults.configure(seed=1, rates={"flip": 0.2}, path_filter=r"\.gfp$")
+    cold = _read_all("/d", objects)
+    flips = nginx_faults.counts()["injected"]["flip"]
+    warm = _read_all("/d", objects)
+    assert (str(cold), str(warm)) == (str(Tally()), str(Tally()))
+    assert flips > 0
+
+
+def test_a_damaged_shard_fails_its_members_in_one_line_and_caches_nothing(nginx: HttpServer, site: Site, tmp_path: Path) -> None:
+    """A shard changed at rest behind the store's back (same size, same mtime, so the same
+    nginx ETag): its blocks fail their chunk sums, so its members' reads fail in one line naming
+    the member and the shard, nothing of it is cached, and the other shards' members read. With
+    the cache off a read is checked by the chunks it lies in: only members in the damaged chunk fail."""
+    rng = random.Random(7)
+    objects = {f"d/{n:03}.bin": rng.randbytes(20_000) for n in range(100)}
+    pack, *how = _packed_site(site, tmp_path, objects)
+    ok("mount", "add", "/d", f"{nginx.url}{pack}", *how)
+    ok("mount", "add", "/off", f"{nginx.url}{pack}", *how, "--opt", "cache=off")
+    members = {key: gpufeed.client().handle(f"/d/{key}").member for key in objects}
+    spans = {key: (m.pack_key, m.pack_offset or 0, (m.pack_offset or 0) + m.size) for key, m in members.items() if m is not None}
+    shard = spans["d/000.bin"][0]
+    path = site.root / "pack" / str(shard)
+    before = path.stat()
+    with open(path, "r+b") as f:  # one byte of the shard's second chunk
+        f.seek(CHUNK + 100)
+        byte = f.read(1)
+        f.seek(CHUNK + 100)
+        f.write(bytes([byte[0] ^ 0x01]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    in_shard = {key for key, (key_shard, _, _) in spans.items() if key_shard == shard}
+    in_chunk = {key for key in in_shard if spans[key][1] < 2 * CHUNK and spans[key][2] > CHUNK}
+    assert len(spans) == len(objects) and 0 < len(in_chunk) < len(in_shard) < len(objects)
+
+    def failures(mount: str) -> dict[str, str]:
+        """Key → error of each object whose read failed; the others must be right."""
+        failed = {}
+        for key, data in objects.items():
+            try:
+                assert gpufeed.read(f"{mount}/{key}") == data, key
+            except GpufeedError as exc:
+                failed[key] = str(exc)
+        return failed
+
+    cold = failures("/d")
+    assert set(cold) == in_shard
+    assert all(f"{shard}: bytes [{CHUNK}, {2 * CHUNK}) hash to xxh3:" in error for error in cold.values())
+    other_shards = len({key_shard for key_shard, _, _ in spans.values()}) - 1
+    assert gpufeed.client().agent.stats().blocks == other_shards, "one block per other shard, none of the damaged one"
+    line = fails(1, "cat", f"/d/{sorted(in_shard - in_chunk)[0]}")
+    assert str(shard) in line and "its pack index lists xxh3:" in line
+
+    off = failures("/off")
+    assert set(off) == in_chunk
+    assert all(error.startswith(f"/off/{key}: ") and "its pack index lists" in error for key, error in off.items())

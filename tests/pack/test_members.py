@@ -29,7 +29,7 @@ PATHS = [
 
 def index_of(paths: list[str], version: int = 0) -> idx.Index:
     rows = [(p, n % 2, 100 * n, n + version, 1.7e9 + n, bytes([n + version]) * 32) for n, p in enumerate(paths)]
-    return idx.build("d", 4 << 20, [("s0", 10_000), ("s1", 10_000)], rows)
+    return idx.build("d", 4 << 20, [("s0", 10_000), ("s1", 10_000)], rows, bytes(16))
 
 
 def as_rows(index: idx.Index, tmp_path: Path) -> tuple[SqliteEngine, int]:

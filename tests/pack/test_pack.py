@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import msgspec
 import pytest
 
 import gpufeed
@@ -25,6 +26,7 @@ from gpufeed.config import Settings
 from gpufeed.errors import ObjectMissing
 from gpufeed.meta.base import Entry
 from gpufeed.namespace import Namespace
+from gpufeed.pack import index as idx
 from gpufeed.pack.layout import DIR, INDEX_KEY, object_entry
 from gpufeed.pack.members import MemberTable
 from gpufeed.pack.shards import ShardBuffers, ShardTask, write_shard
@@ -232,8 +234,9 @@ def test_members_are_a_member_table_and_the_manifest_pins_the_index(bucket: Buck
     assert [f.path for f in ns.ls("/as-files")] == [f"/as-files/{DIR}"], "a raw view shows the pack itself"
 
 
-def _packed_members(bucket: Bucket) -> dict[str, bytes]:
-    """200 members of 50 KB packed in 8 MiB shards and mounted at /p, by a process that used obstore."""
+def _packed_members(bucket: Bucket, *, without_chunk_sums: bool = False) -> dict[str, bytes]:
+    """200 members of 50 KB packed in 8 MiB shards and mounted at /p, by a process that used
+    obstore; `without_chunk_sums`: the index rewritten as version 1, which lists none."""
     rng = random.Random(5)
     raw = {f"f/{n:03d}.bin": rng.randbytes(50_000) for n in range(200)}
     for key, data in raw.items():
@@ -241,19 +244,30 @@ def _packed_members(bucket: Bucket) -> dict[str, bytes]:
     ns = Namespace()
     ns.add_mount("/raw", f"{bucket.url}/raw", {"endpoint": bucket.endpoint})
     ok("pack", "/raw", f"{bucket.url}/p", "--shard-size", "8MiB", *opts(bucket))
+    if without_chunk_sums:
+        key = f"p/{INDEX_KEY}"
+        index = idx.decode(bucket.client.get_object(Bucket=bucket.name, Key=key)["Body"].read(), key)  # type: ignore[attr-defined]
+        bucket.put(key, idx.encode(msgspec.structs.replace(index, version=1, chunk_sums=b"")))
     ns.add_mount("/p", f"{bucket.url}/p", {"endpoint": bucket.endpoint})
     return raw
 
 
-def test_forked_worker_reads_a_sparse_batch_of_members_around_their_blocks(bucket: Bucket) -> None:
+@pytest.mark.parametrize("chunk_sums", [False, True], ids=["version-1-index", "chunk-sums"])
+def test_forked_worker_reads_a_sparse_batch_of_members_around_their_blocks(bucket: Bucket, chunk_sums: bool) -> None:
     """A DataLoader worker forked from a process that used obstore reads random members of
     different shard blocks (a sparse batch) without waiting for those blocks: the agent reads
-    the members' ranges for it, only their bytes, and caches the blocks for later reads."""
-    raw = _packed_members(bucket)
+    the members' ranges for it, only their bytes, and caches the blocks for later reads. Where
+    the index lists chunk sums, a range is read as the whole chunks it lies in, to be checked:
+    the first batch's chunks do not fit the budget (`READ_AROUND_SHARE`), so it waits for its
+    blocks."""
+    raw = _packed_members(bucket, without_chunk_sums=not chunk_sums)
     keys = ["f/000.bin", "f/090.bin", "f/180.bin"]  # one in each 4 MiB block
     hashes, source_bytes, direct_bytes = in_forked_child([f"/p/{k}" for k in keys])
     assert hashes == [sha(raw[k]) for k in keys]
-    assert (source_bytes, direct_bytes) == (3 * 50_000, 0), "the members' bytes, read by the agent, not whole blocks"
+    if chunk_sums:
+        assert source_bytes > 8 << 20 and direct_bytes == 0, "two 4 MiB blocks and a shard's tail, fetched by the agent"
+    else:
+        assert (source_bytes, direct_bytes) == (3 * 50_000, 0), "the members' bytes, read by the agent, not whole blocks"
     client = gpufeed.client()
     eventually(lambda: all(n == 50_000 for k in keys for _, n in client.cached_bytes(f"/p/{k}")), "the hinted blocks cached")
     assert [sha(bytes(v)) for v in client.read_files([f"/p/{k}" for k in keys])] == [sha(raw[k]) for k in keys]

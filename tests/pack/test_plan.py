@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from gpufeed.errors import PackError
 from gpufeed.pack import index as idx
+from gpufeed.pack.members import MemberTable
 from gpufeed.pack.plan import ALIGN, Item, pack_digest, place, plan
 
 MiB = 1 << 20
@@ -34,7 +36,7 @@ def test_shards_hold_at_most_their_size_and_keys_name_their_contents() -> None:
 
 def test_index_round_trip_and_corruption_is_caught() -> None:
     rows = [(f"d/{n}.jpg", n % 2, n * 10, 10, 1.5, bytes([n]) * 32) for n in range(4)]
-    index = idx.build("digest", 4 * MiB, [("s0", 100), ("s1", 100)], rows)
+    index = idx.build("digest", 4 * MiB, [("s0", 100), ("s1", 100)], rows, bytes(16))
     data = idx.encode(index)
     back = idx.decode(data, "here")
     assert back == index
@@ -44,4 +46,19 @@ def test_index_round_trip_and_corruption_is_caught() -> None:
     with pytest.raises(PackError, match="here: corrupt pack index"):
         idx.decode(data[:-7], "here")
     with pytest.raises(PackError, match="a member ends past its shard"):
-        idx.decode(idx.encode(idx.build("d", 4 * MiB, [("s0", 15)], [rows[0], rows[2]])), "here")
+        idx.decode(idx.encode(idx.build("d", 4 * MiB, [("s0", 15)], [rows[0], rows[2]], bytes(8))), "here")
+
+
+def test_chunk_sums_are_checked_against_the_shards_and_a_version_1_index_reads_without_them() -> None:
+    rows = [(f"d/{n}.jpg", 0, n * 10, 10, 1.5, bytes([n]) * 32) for n in range(4)]
+    shards = [("s0", 300_000), ("s1", 40)]  # two chunks of 256 KiB, then one
+    sums = bytes(range(24))
+    index = idx.build("d", 4 * MiB, shards, rows, sums)
+    table = MemberTable.build(idx.decode(idx.encode(index), "here"))
+    assert (table.chunk_sums("s0"), table.chunk_sums("s1"), table.chunk_sums("s2")) == (sums[:16], sums[16:], None)
+    with pytest.raises(PackError, match=r"here: corrupt pack index \(16 bytes of chunk sums for shards that need 24\)"):
+        idx.decode(idx.encode(idx.build("d", 4 * MiB, shards, rows, sums[:16])), "here")
+    old = idx.decode(idx.encode(msgspec.structs.replace(index, version=1, chunk_sums=b"")), "here")
+    assert MemberTable.build(old).chunk_sums("s0") is None and [m.path for m in old.members()] == [r[0] for r in rows]
+    with pytest.raises(PackError, match="pack index version 3; this gpufeed reads versions 1 to 2"):
+        idx.decode(idx.encode(msgspec.structs.replace(index, version=3)), "here")

@@ -7,7 +7,8 @@ the node). Nothing is published that was not checked first: the length always; t
 object against its content hash or S3 MD5 ETag where the store or the manifest vouches for
 one (the source checks whole-object reads, `sources.objstore`). A multi-block object whose
 manifest holds a content hash is therefore fetched whole, checked, then published block by
-block, so none of its blocks is ever cached unchecked.
+block, so none of its blocks is ever cached unchecked. A pack's shard is checked block by block
+against the chunk sums its index lists, as each block's header is made (`blocks.encode`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,17 @@ from gpufeed import errors
 from gpufeed.agent.manager import INLINE_PUBLISH, CacheManager
 from gpufeed.agent.metrics import Metrics
 from gpufeed.agent.sessions import Session, Sessions
-from gpufeed.blocks import WHOLE_OBJECT_MAX, BlockId, ObjectBlocks, object_blocks
+from gpufeed.blocks import (
+    WHOLE_OBJECT_MAX,
+    BlockId,
+    ChunkMismatch,
+    ObjectBlocks,
+    listed_sums,
+    mismatch,
+    object_blocks,
+    sums_checked,
+    sums_length,
+)
 from gpufeed.config import Settings
 from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant, RangeBytes, RangeWant
 from gpufeed.sources import Source, open_source
@@ -69,6 +80,12 @@ class Job:
     def verified_whole(self) -> bool:
         """Whether this object's blocks are cached only after the whole object matched its hash."""
         return bool(self.want.info.content_hash) and self.blocks.count > 1 and self.want.info.size <= WHOLE_OBJECT_MAX
+
+    @property
+    def listed(self) -> bytes | None:
+        """The chunk sums the block must have (a pack's shard), or None."""
+        info, size = self.want.info, self.blocks.block_size
+        return listed_sums(info, self.index * size, self.blocks.length(self.index)) if sums_checked(info, size) else None
 
 
 class BlockSource(Protocol):
@@ -157,6 +174,8 @@ class Fetcher:
                     raise errors.InvalidArgument(str(exc)) from None
                 if any(not 0 <= i < blocks.count for i in want.blocks):
                     raise errors.InvalidArgument(f"a block index is outside {info.key} ({info.size} bytes)")
+                if info.chunk_sums is not None and len(info.chunk_sums) != sums_length(info.size):
+                    raise errors.InvalidArgument(f"{info.key}: {len(info.chunk_sums)} bytes of chunk sums for {info.size} bytes")
                 if want.reads and (len(want.reads) != len(want.blocks) or min(want.reads) < 1):
                     raise errors.InvalidArgument(f"{info.key}: expected a count of reads >= 1 for each block asked for")
                 reads = zip(want.blocks, want.reads or [1] * len(want.blocks), strict=True)
@@ -255,24 +274,35 @@ class Fetcher:
         raise errors.SourceError(f"{job.want.info.key}: no source had bytes [{start}, {end})")
 
     async def _one(self, job: Job) -> Status:
-        size = job.blocks.block_size
-        start = job.index * size
+        """Fetch and publish one block; one whose chunks fail their listed sums is read once more,
+        then reported (a byte flipped in transit passes the second time, a damaged shard fails)."""
+        start = job.index * job.blocks.block_size
+        try:
+            return await self._fetch_and_publish(job, start)
+        except ChunkMismatch:
+            log.warning("block %d of %s failed its listed chunk sums: reading it again", job.index, job.want.info.key)
+        try:
+            return await self._fetch_and_publish(job, start)
+        except ChunkMismatch as exc:
+            raise mismatch(job.want.info, start, exc) from None
+
+    async def _fetch_and_publish(self, job: Job, start: int) -> Status:
         data = await self._read(job, start, start + job.blocks.length(job.index))
-        return "ok" if await self._publish(job.block, data, self._copy(job)) else "uncached"
+        return "ok" if await self._publish(job.block, data, self._copy(job), job.listed) else "uncached"
 
     def _copy(self, job: Job) -> bool:
         """Whether the job's block is kept as a copy: its mount says `copies=owner-only` and
         another cluster node owns it."""
         return job.group is not None and job.group.owner_only and any(source.only_blocks(job) for source in self.chain)
 
-    async def _publish(self, block: BlockId, data: memoryview, copy: bool = False) -> bool:
+    async def _publish(self, block: BlockId, data: memoryview, copy: bool = False, listed: bytes | None = None) -> bool:
         """Publish to the end even when the fetch that read `data` is cancelled (its reader went
         away): a block file is written and counted in the cache, or neither. A small block is
         written without a suspension (`INLINE_PUBLISH`), where no cancellation can land, so it
         needs no shielding task."""
         if len(data) <= INLINE_PUBLISH:
-            return await self.manager.publish(block, data, copy)
-        return await asyncio.shield(self.manager.publish(block, data, copy))
+            return await self.manager.publish(block, data, copy, listed)
+        return await asyncio.shield(self.manager.publish(block, data, copy, listed))
 
     async def _whole(self, job: Job) -> Status:
         """Fetch the object whole and check it against its content hash, then publish every

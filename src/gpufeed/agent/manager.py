@@ -120,17 +120,18 @@ class CacheManager:
         """False while the disk was found full moments ago, or when one block exceeds the room."""
         return time.monotonic() >= self.full_until and length <= self.limit()
 
-    async def publish(self, block: BlockId, data: memoryview, copy: bool = False) -> bool:
+    async def publish(self, block: BlockId, data: memoryview, copy: bool = False, listed: bytes | None = None) -> bool:
         """Write a verified block into the cache; False when the disk cannot hold it (then the
         reader is served uncached, warned once, and the cache shrinks to what fits). A `copy`
-        (of a block another cluster node owns) is evicted before any other block."""
+        (of a block another cluster node owns) is evicted before any other block. `listed`: the
+        chunk sums the block must have (`blockfile.publish`), checked as its header is made."""
         path = self.path(block)
         for attempt in range(2):
             try:
                 if len(data) <= INLINE_PUBLISH:
-                    written = blockfile.publish(path, block, data)
+                    written = blockfile.publish(path, block, data, listed)
                 else:
-                    written = await asyncio.to_thread(blockfile.publish, path, block, data)
+                    written = await asyncio.to_thread(blockfile.publish, path, block, data, listed)
                 break
             except OSError as exc:
                 full = exc.errno in FULL_ERRNOS

@@ -263,11 +263,13 @@ def _pread(fd: int, size: int, offset: int, scratch: bool) -> memoryview:
     return buffer[: os.preadv(fd, [buffer[:size]], offset)]
 
 
-def publish(path: str, block: BlockId, data: memoryview | bytes) -> int:
+def publish(path: str, block: BlockId, data: memoryview | bytes, listed: bytes | None = None) -> int:
     """Atomically place a block file at `path` (`layout.block_path`); returns the bytes it
-    occupies. Raises OSError (ENOSPC…). Only the agent publishes, one per cache dir (its lock),
-    so a counter names temp files uniquely; a crashed agent's are removed at the next start."""
-    header, view = encode(block, data)
+    occupies. Raises OSError (ENOSPC…), or ChunkMismatch before writing anything when `listed`
+    (the chunk sums the object's listing vouches for) disagrees with the data. Only the agent
+    publishes, one per cache dir (its lock), so a counter names temp files uniquely; a crashed
+    agent's are removed at the next start."""
+    header, view = encode(block, data, listed)
     blocks_dir, _, name = path.rpartition("/")
     tmp_dir = f"{blocks_dir.rpartition('/')[0].rpartition('/')[0]}/tmp"
     tmp = f"{tmp_dir}/{name}.{next(_temp_numbers)}"

@@ -13,10 +13,10 @@ import asyncio
 from collections.abc import Callable
 
 from gpufeed.aio import run_blocking
-from gpufeed.blocks import WHOLE_OBJECT_MAX
+from gpufeed.blocks import WHOLE_OBJECT_MAX, check_chunks, chunk_span
 from gpufeed.client.connection import AgentUnavailable
 from gpufeed.client.handles import ObjectHandle
-from gpufeed.errors import ObjectChanged, ObjectMissing
+from gpufeed.errors import ObjectChanged, ObjectCorrupted, ObjectMissing
 from gpufeed.paths import since_listed
 from gpufeed.sources.base import obstore_unusable
 
@@ -45,18 +45,39 @@ class DirectReads:
     def many(self, ranges: dict[tuple[int, int], tuple[ObjectHandle, int, int]]) -> dict[tuple[int, int], memoryview]:
         """Source reads. A range of an object the manifest holds a content hash for is cut from
         one read of the whole object, which the source checks against the hash: its bytes are
-        never handed out unchecked, whether the cache is off, full or evicted them early."""
+        never handed out unchecked, whether the cache is off, full or evicted them early. A range
+        of a pack's shard is cut from a read of the whole chunks it lies in, checked against the
+        sums the pack index lists."""
         reads: dict[object, tuple[ObjectHandle, int, int]] = {}
         cuts: dict[tuple[int, int], tuple[object, int, int]] = {}
+        summed: list[object] = []
         for key, (handle, start, end) in ranges.items():
-            if handle.info.content_hash and handle.info.size <= WHOLE_OBJECT_MAX:
-                whole = (handle.path, handle.info.version)
-                reads.setdefault(whole, (handle, 0, handle.info.size))
+            info = handle.info
+            if info.content_hash and info.size <= WHOLE_OBJECT_MAX:
+                whole = (handle.path, info.version)
+                reads.setdefault(whole, (handle, 0, info.size))
                 cuts[key] = (whole, start, end)
+            elif info.chunk_sums is not None and end > start:
+                lo, hi = chunk_span(info, start, end)
+                span = (info.key, info.version, lo, hi)
+                if span not in reads:
+                    reads[span] = (handle, lo, hi)
+                    summed.append(span)
+                cuts[key] = (span, start - lo, end - lo)
             else:
                 reads[key] = (handle, start, end)
                 cuts[key] = (key, 0, end - start)
         got = self._ranges(reads)
+        for read in summed:
+            handle, lo, hi = reads[read]
+            try:
+                check_chunks(handle.info, lo, got[read])
+            except ObjectCorrupted:  # read once more, as the agent does: a flip in transit passes
+                got[read] = self._ranges({read: (handle, lo, hi)})[read]
+                try:
+                    check_chunks(handle.info, lo, got[read])
+                except ObjectCorrupted as exc:
+                    raise ObjectCorrupted(f"{handle.path}: {exc}") from None
         return {key: got[read][lo:hi] for key, (read, lo, hi) in cuts.items()}
 
     def _ranges(self, ranges: dict[object, tuple[ObjectHandle, int, int]]) -> dict[object, memoryview]:

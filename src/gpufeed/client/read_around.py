@@ -9,6 +9,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from gpufeed.blocks import chunk_span
 from gpufeed.client import plan
 
 if TYPE_CHECKING:
@@ -54,8 +55,11 @@ class ReadAround:
             if index not in repairs and handle.info.content_hash is None  # such blocks are cached only once checked whole
         }
         block_bytes = sum(_length(missing[key], key[1]) for key in fresh)
-        wanted_bytes = sum(
-            hi - lo for (n, index), (lo, hi) in absent.items() if (ref := reads[n][0].blocks) and (ref.oid, index) in fresh
+        wanted_bytes = sum(  # a shard's ranges are read as the whole chunks their sums check
+            hi - lo
+            for (n, index), span in absent.items()
+            if (ref := reads[n][0].blocks) and (ref.oid, index) in fresh
+            for lo, hi in [chunk_span(reads[n][0].info, *span)]
         )
         with self._lock:
             for key, handle in missing.items():

@@ -1,4 +1,6 @@
-"""The pack index: where each member's bytes lie (shard, offset, length), its mtime and sha256.
+"""The pack index: where each member's bytes lie (shard, offset, length), its mtime and sha256,
+and each shard's chunk sums (xxh3-64 per 256 KiB), which every block read of a shard is checked
+against: a damaged or replaced shard fails its read instead of serving wrong bytes.
 
 Columnar, msgpack-encoded (msgspec): paths are one list of strings, every number column one
 little-endian numpy buffer, so a 1,000,000-member index decodes in well under a second and
@@ -16,9 +18,11 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from gpufeed.blocks import sums_length
 from gpufeed.errors import PackError
 
-VERSION = 1
+VERSION = 2
+"""2: chunk sums. A version 1 index (none) is still read; its shards' blocks are not checked."""
 MAGIC = b"GFPACK\x00\x01"
 
 
@@ -36,6 +40,8 @@ class Index(msgspec.Struct, frozen=True):
     length: bytes
     mtime: bytes
     sha256: bytes
+    chunk_sums: bytes = b""
+    """Every shard's `blocks.chunk_sums`, in shard order (empty in version 1)."""
 
     @property
     def shard_of(self) -> np.ndarray:
@@ -77,8 +83,9 @@ class Member:
 Row = tuple[str, int, int, int, float, bytes]
 
 
-def build(digest: str, block_size: int, shards: list[tuple[str, int]], members: list[Row]) -> Index:
-    """An index of `members` (path, shard number, offset, length, mtime, sha256 digest), in order."""
+def build(digest: str, block_size: int, shards: list[tuple[str, int]], members: list[Row], chunk_sums: bytes) -> Index:
+    """An index of `members` (path, shard number, offset, length, mtime, sha256 digest), in
+    order, and the shards' chunk sums."""
     return Index(
         VERSION,
         digest,
@@ -91,6 +98,7 @@ def build(digest: str, block_size: int, shards: list[tuple[str, int]], members: 
         np.array([m[3] for m in members], dtype="<u8").tobytes(),
         np.array([m[4] for m in members], dtype="<f8").tobytes(),
         b"".join(m[5] for m in members),
+        chunk_sums,
     )
 
 
@@ -111,8 +119,8 @@ def decode(data: bytes | memoryview, where: str) -> Index:
         index = msgspec.msgpack.decode(view[len(MAGIC) :], type=Index)
     except msgspec.DecodeError as exc:
         raise corrupt(str(exc)) from None
-    if index.version != VERSION:
-        raise PackError(f"{where}: pack index version {index.version}; this gpufeed reads version {VERSION}")
+    if not 1 <= index.version <= VERSION:
+        raise PackError(f"{where}: pack index version {index.version}; this gpufeed reads versions 1 to {VERSION}")
     n = len(index.paths)
     widths = {"shard": 4, "offset": 8, "length": 8, "mtime": 8, "sha256": 32}
     for column, width in widths.items():
@@ -120,6 +128,9 @@ def decode(data: bytes | memoryview, where: str) -> Index:
             raise corrupt(f"column {column} holds {len(getattr(index, column))} bytes for {n} members")
     if len(index.shard_sizes) != len(index.shards):
         raise corrupt("shard sizes do not match shards")
+    summed = sum(map(sums_length, index.shard_sizes)) if index.version >= 2 else 0
+    if len(index.chunk_sums) != summed:
+        raise corrupt(f"{len(index.chunk_sums)} bytes of chunk sums for shards that need {summed}")
     if n:
         shard_of = index.shard_of
         if int(shard_of.max()) >= len(index.shards):

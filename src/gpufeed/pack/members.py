@@ -25,16 +25,21 @@ import msgspec
 import numpy as np
 import xxhash
 
+from gpufeed.blocks import sums_length
 from gpufeed.meta.base import Entry
 from gpufeed.meta.manifest import usable_key
 from gpufeed.pack.index import Index
 
-COLUMNS = ("blob", "starts", "hashes", "by_hash", "member", "children", "shard", "offset", "length", "mtime", "sha256")
+COLUMNS = (
+    "blob", "starts", "hashes", "by_hash", "member", "children", "shard", "offset", "length", "mtime", "sha256", "chunk_sums",
+    "chunk_starts",
+)
 """Arrays of a table, one `.npy` file each. Per entry (sorted by (parent, name)): `starts`
 (its key's offsets in `blob`), `member` (its row in the index columns; -1 for a directory),
 `children` (a directory's [start, end) entries). `hashes` (sorted xxh3-64 of keys) and
 `by_hash` (the entry each names) find a key. Per member, in index order: `shard`, `offset`,
-`length`, `mtime`, `sha256`."""
+`length`, `mtime`, `sha256`. Per shard: `chunk_starts` (where its sums begin in `chunk_sums`,
+the index's, one more for the end; empty for a version 1 index)."""
 
 WALK_CHUNK = 8192
 
@@ -66,6 +71,7 @@ class MemberTable:
         self.meta = meta
         self.shards = meta.shards
         self.files, self.bytes, self.skipped = meta.files, meta.bytes, meta.skipped
+        self._shard_numbers = {key: n for n, key in enumerate(meta.shards)}
 
     # -- building and storing -----------------------------------------------------------
 
@@ -123,6 +129,8 @@ class MemberTable:
             "length": lengths_column,
             "mtime": index.mtimes,
             "sha256": np.frombuffer(index.sha256, dtype=np.uint8).reshape(-1, 32),
+            "chunk_sums": np.frombuffer(index.chunk_sums, dtype=np.uint8),
+            "chunk_starts": np.cumsum([0, *map(sums_length, index.shard_sizes)]) if index.version >= 2 else np.zeros(0, np.int64),
         }
         total = int(lengths_column[np.asarray(usable, dtype=np.int64)].sum()) if usable else 0
         return cls(arrays, TableMeta(index.shards, root, len(usable), total, len(index.paths) - len(usable)))
@@ -158,12 +166,23 @@ class MemberTable:
             entries, members = len(table), len(arrays["length"])
             if len(arrays["starts"]) != entries + 1 or len(arrays["children"]) != entries or len(arrays["sha256"]) != members:
                 raise ValueError("columns of different lengths")
+            starts = arrays["chunk_starts"]
+            if len(starts) not in (0, len(meta.shards) + 1) or (len(starts) and starts[-1] != len(arrays["chunk_sums"])):
+                raise ValueError("chunk sums of different lengths")
         except (OSError, ValueError, msgspec.DecodeError):
             shutil.rmtree(where, ignore_errors=True)
             return None
         return table
 
     # -- what the engine answers --------------------------------------------------------
+
+    def chunk_sums(self, shard: str) -> bytes | None:
+        """The chunk sums the index lists for `shard` (a key), None when it lists none."""
+        starts = self._a["chunk_starts"]
+        if not len(starts):
+            return None
+        n = self._shard_numbers.get(shard)
+        return None if n is None else self._a["chunk_sums"][starts[n] : starts[n + 1]].tobytes()
 
     def __len__(self) -> int:
         return len(self._member)

@@ -4,8 +4,9 @@ Why this shape: packing is one more reader (members come through `Client.read_on
 pinned and checked like any read; cached files from the cache, the rest from the store without
 filling the cache with files that will be read through the pack from now on) and one more writer of a store (`Source.put`). It is
 resumable because the plan is a pure function of the input (`pack.plan`): a shard's key names
-its exact contents, a finished shard is published whole by one PUT followed by its digests
-(`<shard>.sha256`), and a rerun keeps every shard whose key and size match. The index is
+its exact contents, a finished shard is published whole by one PUT followed by its sums
+(`<shard>.sums`: its members' sha256, its chunks' xxh3), and a rerun keeps every shard whose
+key and size match. The index is
 written last, by one PUT, so a reader sees the previous pack or the complete new one. A rerun
 over unchanged input finds an index with the same digest and does nothing.
 """
@@ -23,7 +24,7 @@ from gpufeed.errors import InvalidArgument, ObjectMissing, PackError, PathNotFou
 from gpufeed.pack import index as idx
 from gpufeed.pack.layout import DIR, INDEX_KEY, SHARDS_DIR
 from gpufeed.pack.plan import Item, Shard, pack_digest, plan
-from gpufeed.pack.shards import ShardTask, digests_key
+from gpufeed.pack.shards import SUMS_SUFFIX, ShardTask, sums_key, sums_size
 from gpufeed.pack.shards import run as shards_run
 from gpufeed.paths import FileStat, normalize
 from gpufeed.sources import Source, open_source
@@ -98,10 +99,10 @@ def _current_digest(dest: Source, existing: dict[str, int]) -> str | None:
     if size is None:
         return None
     try:
-        data = dest.get_range(INDEX_KEY, 0, size)
-        return idx.decode(data, dest.url).digest
+        index = idx.decode(dest.get_range(INDEX_KEY, 0, size), dest.url)
     except (PackError, ObjectMissing):
         return None  # a corrupt or vanished index is simply written again
+    return index.digest if index.version == idx.VERSION else None  # an older one is written again, with what it lacks
 
 
 @dataclass
@@ -171,12 +172,14 @@ def pack(
     items, shards, dest, existing = job.items, job.shards, job.dest, job.existing
     if job.up_to_date():
         return Packed(len(items), job.bytes, len(shards), 0, len(shards), True, INDEX_KEY, _remove_stale(job))
-    done = [s for s in shards if existing.get(s.key) == s.size and existing.get(digests_key(s.key)) == 32 * len(s.members)]
+    done = [
+        s for s in shards if existing.get(s.key) == s.size and existing.get(sums_key(s.key)) == sums_size(len(s.members), s.size)
+    ]
     kept = {s.number for s in done}
     todo = [s for s in shards if s.number not in kept]
     counts = _Counts(progress)
     counts.add(sum(len(s.members) for s in done), sum(items[n].size for s in done for n, _ in s.members))
-    digests = {s.number: dest.get_range(digests_key(s.key), 0, 32 * len(s.members)).tobytes() for s in done}
+    sums = {s.number: dest.get_range(sums_key(s.key), 0, sums_size(len(s.members), s.size)).tobytes() for s in done}
     base = job.nspath.rstrip("/")
     tasks = [
         ShardTask(
@@ -186,13 +189,14 @@ def pack(
         for s in todo
     ]
     written = shards_run(tasks, workers=workers, progress=counts.add, ray_address=ray_address)
-    digests.update(zip((s.number for s in todo), written, strict=True))
+    sums.update(zip((s.number for s in todo), written, strict=True))
     rows = [
-        (items[n].path, shard.number, offset, items[n].size, job.files[n][1].mtime, digests[shard.number][32 * k : 32 * k + 32])
+        (items[n].path, shard.number, offset, items[n].size, job.files[n][1].mtime, sums[shard.number][32 * k : 32 * k + 32])
         for shard in shards
         for k, (n, offset) in enumerate(shard.members)
     ]
-    index = idx.build(job.digest, job.block_size, [(s.key, s.size) for s in shards], rows)
+    chunks = b"".join(sums[shard.number][32 * len(shard.members) :] for shard in shards)
+    index = idx.build(job.digest, job.block_size, [(s.key, s.size) for s in shards], rows, chunks)
     dest.put(INDEX_KEY, idx.encode(index))
     return Packed(len(items), job.bytes, len(shards), len(todo), len(done), False, INDEX_KEY, _remove_stale(job))
 
@@ -203,10 +207,10 @@ def _remove_stale(job: Plan) -> int:
     after the index is in place, so a crash leaves garbage, never a pack missing a shard. A
     node that still has the old index mounted reads what it cached, and is told to refresh for
     the rest."""
-    named = {key for shard in job.shards for key in (shard.key, digests_key(shard.key))}
+    named = {key for shard in job.shards for key in (shard.key, sums_key(shard.key))}
     stale = sorted(key for key in job.existing if key.startswith(SHARDS_DIR + "/") and key not in named)
     job.dest.delete(stale)
-    return sum(1 for key in stale if not key.endswith(".sha256"))
+    return sum(1 for key in stale if not key.endswith((SUMS_SUFFIX, ".sha256")))  # .sha256: version 1's sums
 
 
 class _Counts:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import gpufeed
+from gpufeed.blocks import chunk_sums, sums_length
 from gpufeed.errors import InvalidArgument, PackError
 from gpufeed.sources import open_source
 
@@ -54,9 +55,19 @@ class ShardTask:
     dest_options: dict[str, str]
 
 
-def digests_key(shard_key: str) -> str:
-    """Where a shard's member digests (32 bytes of sha256 each, in shard order) are stored."""
-    return f"{shard_key}.sha256"
+SUMS_SUFFIX = ".sums"
+
+
+def sums_key(shard_key: str) -> str:
+    """Where a shard's sums are stored (`shard_sums`), written after the shard: a rerun keeps a
+    shard only when they are there."""
+    return f"{shard_key}{SUMS_SUFFIX}"
+
+
+def sums_size(members: int, shard_size: int) -> int:
+    """Bytes of a shard's sums: 32 of sha256 per member, in shard order, then its chunk sums
+    (`blocks.chunk_sums`: 8 bytes per 256 KiB of the shard), which readers check blocks against."""
+    return 32 * members + sums_length(shard_size)
 
 
 def _batches(task: ShardTask) -> Iterator[range]:
@@ -107,7 +118,7 @@ def _zero_gaps(shard: memoryview, task: ShardTask) -> None:
 
 def write_shard(task: ShardTask, progress: Progress | None = None, buffers: ShardBuffers | None = None) -> bytes:
     """Read the shard's members into their places in it (batched, through the read path), hash
-    them, PUT the shard and then its digests; returns the digests."""
+    them and the shard's chunks, PUT the shard and then its sums (`sums_size`); returns the sums."""
     with (buffers or ShardBuffers()).lend(task.size) as (buffer, fresh):
         return _write(task, memoryview(buffer)[: task.size], fresh, progress)
 
@@ -129,13 +140,13 @@ def _write(task: ShardTask, shard: memoryview, fresh: bool, progress: Progress |
         if progress is not None:
             progress(len(batch), sum(task.sizes[n] for n in batch))
     dest.put(task.key, shard)
-    digests = b"".join(sums)
-    dest.put(digests_key(task.key), digests)
-    return digests
+    all_sums = b"".join(sums) + chunk_sums(shard)
+    dest.put(sums_key(task.key), all_sums)
+    return all_sums
 
 
 def run(tasks: Sequence[ShardTask], *, workers: int, progress: Progress, ray_address: str | None = None) -> list[bytes]:
-    """Every task's digests, in task order: on Ray when `ray_address` is given, else `workers`
+    """Every task's sums, in task order: on Ray when `ray_address` is given, else `workers`
     at a time on this machine (processes for many files, threads of this process for few)."""
     if workers < 1:
         raise InvalidArgument(f"--workers {workers}: must be at least 1")
