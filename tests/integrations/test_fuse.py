@@ -206,6 +206,8 @@ def test_the_background_warmup_caches_the_mounted_path(tmp_path: Path, mountpoin
     client = Client()
     assert all(cached == item.size for item, cached in client.cached_bytes("/data"))
     assert "warmup done" in ok("fuse", "ls")
+    log = fuse_mounts.log_file(Settings.from_env(), mountpoint).read_text()
+    assert "warmup of /data done" in log and "Ignoring invalid" not in log, "libfuse has nothing to complain of"
 
 
 def test_the_warmup_skips_a_file_it_cannot_open_and_caches_the_rest(tmp_path: Path, mountpoint: Path) -> None:

@@ -65,6 +65,10 @@ ATTR_TIMEOUT_S = 3600.0
 """How long the kernel keeps a lookup or an attribute; a refresh invalidates what changed."""
 NEGATIVE_TIMEOUT_S = 1.0
 """How long the kernel remembers that a name does not exist (a refresh may add it)."""
+IDLE_THREADS = 10
+"""Worker threads libfuse keeps when idle: its default of 10 threads in all, all kept (thread
+states outlive a callback, `_FeedFUSE._wrapper`). Said explicitly because libfuse 3.14 reads its
+own "unset" default as invalid and prints "Ignoring invalid max threads value" at every mount."""
 MAX_READ = 1 << 20
 """Bytes one read request may carry: libfuse3 asks the kernel for 256-page requests, and the
 mount's read-ahead is raised to match (`_read_ahead_kb`), so a sequential reader costs one
@@ -456,6 +460,7 @@ def serve(mountpoint: Path, nspath: str, *, warmup: bool = True, read_ahead: boo
             entry_timeout=ATTR_TIMEOUT_S,
             attr_timeout=ATTR_TIMEOUT_S,
             negative_timeout=NEGATIVE_TIMEOUT_S,
+            max_idle_threads=IDLE_THREADS,
         )
     except RuntimeError as exc:  # libfuse printed why on stderr
         if operations.started:
