@@ -140,7 +140,7 @@ def test_a_path_with_brackets_is_printed_as_it_is_on_one_line(tmp_path: Path) ->
     command = [sys.executable, "-m", "gpufeed", "mount"]
     added = subprocess.run([*command, "add", "/brackets", str(data)], capture_output=True, text=True, env=env, timeout=120)
     assert added.returncode == 0, added.stderr
-    assert added.stdout == f"mounted file://{data} at /brackets: 1 files, 2 B\n"
+    assert added.stdout == f"mounted file://{data} at /brackets: 1 file, 2 B\n"
     removed = subprocess.run([*command, "rm", "/brackets"], capture_output=True, text=True, env=env, timeout=120)
     assert removed.returncode == 0 and removed.stdout == f"removed mount /brackets (file://{data})\n", removed.stderr
 

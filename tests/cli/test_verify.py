@@ -33,13 +33,13 @@ def test_verify_reports_each_mismatch_and_exits_1(dataset: Path, tmp_path: Path)
     sums = tmp_path / "SHA256SUMS"
     sums.write_text(f"{right}  train/cats/1.jpg\n{wrong}  ./train/cats/2.jpg\n{'0' * 64}  nowhere.bin\n")
     added = ok("mount", "add", "/data", f"file://{dataset}", "--checksums", str(sums))
-    assert "6 listed files without a hash, 1 hashes naming no listed object" in added
+    assert "6 listed files without a hash, 1 hash naming no listed object" in added
     result = gpufeed("verify", "/data/train/cats")
     assert result.returncode == 1, (result.stdout, result.stderr)
     [line] = [line for line in result.stderr.splitlines() if "mismatch" in line]
     assert "/data/train/cats/2.jpg" in line and f"sha256:{wrong}" in line
     assert "Traceback" not in result.stderr
-    assert "1 hashes recorded, 1 matched, 1 mismatched" in result.stdout
+    assert "1 hash recorded, 1 matched, 1 mismatched" in result.stdout
 
 
 def test_malformed_checksums_line_is_one_line_and_records_nothing(dataset: Path, tmp_path: Path) -> None:

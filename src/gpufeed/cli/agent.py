@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpufeed.cli.console import command_group, human_bytes, out
+from gpufeed.cli.console import command_group, counted, human_bytes, out
 from gpufeed.config import Settings, parse_addr, parse_log_format, parse_size, with_cluster_flags
 from gpufeed.errors import GpufeedError
 
@@ -201,8 +201,8 @@ def status(ctx: typer.Context, cache_dir: list[Path] = DirsOption) -> None:
     sock.close()
     info = AgentClient(settings).stats()
     out.print(
-        f"{_serving(info)}: {info.blocks} blocks, {human_bytes(info.bytes)} of {human_bytes(info.limit)}, "
-        f"{info.clients} clients, up {info.uptime_s:.0f} s",
+        f"{_serving(info)}: {counted(info.blocks, 'block')}, {human_bytes(info.bytes)} of {human_bytes(info.limit)}, "
+        f"{counted(info.clients, 'client')}, up {info.uptime_s:.0f} s",
         highlight=False,
         soft_wrap=True,
     )

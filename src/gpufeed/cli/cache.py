@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from gpufeed.cli.console import command_group, human_bytes, out
+from gpufeed.cli.console import command_group, counted, human_bytes, out
 from gpufeed.config import Settings
 
 app = command_group(help="Inspect and manage the node cache.", no_args_is_help=True)
@@ -56,4 +56,5 @@ def ls(path: str = typer.Argument("/", help="Namespace path.")) -> None:
         total += item.size
         cached += present
         typer.echo(f"{present / item.size if item.size else 1:>7.1%}  {item.size:>12}  {item.path}")
-    typer.echo(f"{cached / total if total else 1:>7.1%}  {total:>12}  total ({files} files, {human_bytes(cached)} cached)")
+    share = cached / total if total else 1
+    typer.echo(f"{share:>7.1%}  {total:>12}  total ({counted(files, 'file')}, {human_bytes(cached)} cached)")

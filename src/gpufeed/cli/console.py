@@ -32,6 +32,11 @@ def human_bytes(size: float) -> str:
     raise AssertionError("unreachable")
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`1 file`, `2 files`, `1,234 files` (`plural` for a noun that takes more than an s)."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 def when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp)) if timestamp else "-"
 

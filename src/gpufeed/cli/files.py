@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from gpufeed.cli.console import human_bytes, when, write_stdout
+from gpufeed.cli.console import counted, human_bytes, when, write_stdout
 
 if TYPE_CHECKING:
     from gpufeed.client import Client
@@ -61,7 +61,7 @@ def du(path: str = typer.Argument("/", help="Namespace path.")) -> None:
     for item in _client().walk(path):
         files += 1
         total += item.size
-    typer.echo(f"{total}\t{human_bytes(total)}\t{files} files\t{path}")
+    typer.echo(f"{total}\t{human_bytes(total)}\t{counted(files, 'file')}\t{path}")
 
 
 def register(app: typer.Typer) -> None:

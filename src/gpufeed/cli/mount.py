@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpufeed.cli.console import command_group, human_bytes, out, print_json, when
+from gpufeed.cli.console import command_group, counted, human_bytes, out, print_json, when
 from gpufeed.cli.progress import Meter
 
 if TYPE_CHECKING:  # the namespace and its engines are imported by the command that runs
@@ -17,13 +17,14 @@ app = command_group(help="Mount stores into the namespace and manage their manif
 
 
 def _summary(stats: ManifestStats) -> str:
-    text = f"{stats.files} files, {human_bytes(stats.bytes)}"
+    text = f"{counted(stats.files, 'file')}, {human_bytes(stats.bytes)}"
     if stats.skipped:
-        text += f"; skipped {stats.skipped} keys no path can name ('.', '..' or empty components)"
+        text += f"; skipped {counted(stats.skipped, 'key')} no path can name ('.', '..' or empty components)"
     if stats.unhashed is not None:
-        text += f"; {stats.unhashed} listed files without a hash, {stats.unlisted} hashes naming no listed object"
+        unlisted = counted(stats.unlisted or 0, "hash", "hashes")
+        text += f"; {counted(stats.unhashed, 'listed file')} without a hash, {unlisted} naming no listed object"
     if stats.kept_hashes:
-        text += f"; kept {stats.kept_hashes} content hashes of unchanged objects"
+        text += f"; kept {counted(stats.kept_hashes, 'content hash', 'content hashes')} of unchanged objects"
     return text
 
 

@@ -8,7 +8,7 @@ from dataclasses import asdict
 import typer
 
 from gpufeed import verify as verifying
-from gpufeed.cli.console import err, human_bytes, out, print_json
+from gpufeed.cli.console import counted, err, human_bytes, out, print_json
 from gpufeed.cli.progress import Meter
 
 
@@ -37,8 +37,8 @@ def verify(
             raise typer.Exit(1)
         return
     out.print(
-        f"verified {done.files} files, {human_bytes(done.bytes)} in {time.monotonic() - started:.1f} s: "
-        f"{done.recorded} hashes recorded, {done.matched} matched, {len(done.mismatches)} mismatched",
+        f"verified {counted(done.files, 'file')}, {human_bytes(done.bytes)} in {time.monotonic() - started:.1f} s: "
+        f"{counted(done.recorded, 'hash', 'hashes')} recorded, {done.matched} matched, {len(done.mismatches)} mismatched",
         highlight=False,
     )
     if done.mismatches:

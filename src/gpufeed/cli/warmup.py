@@ -18,7 +18,7 @@ from typing import NoReturn
 import typer
 
 from gpufeed import warmup as warming
-from gpufeed.cli.console import err, human_bytes, out, print_json
+from gpufeed.cli.console import counted, err, human_bytes, out, print_json
 from gpufeed.cli.progress import Meter
 from gpufeed.errors import InvalidArgument
 
@@ -78,7 +78,7 @@ def warmup(
             return
         share = math.floor(cached / total * 1000) / 10 if total else 100.0  # 14 B to fetch is not "100.0% cached"
         to_fetch = human_bytes(total - cached)
-        out.print(f"{count} files, {human_bytes(total)}; {share:.1f}% cached ({to_fetch} to fetch)", highlight=False)
+        out.print(f"{counted(count, 'file')}, {human_bytes(total)}; {share:.1f}% cached ({to_fetch} to fetch)", highlight=False)
         return
     files = warming.files_under(client, wanted)
     try:
@@ -95,7 +95,7 @@ def warmup(
         print_json(summary)
         return
     out.print(
-        f"warmed {done.done_files} files, {human_bytes(done.done_bytes)} in {elapsed:.1f} s: "
+        f"warmed {counted(done.done_files, 'file')}, {human_bytes(done.done_bytes)} in {elapsed:.1f} s: "
         f"fetched {human_bytes(fetched)}, {human_bytes(done.skipped_bytes)} were cached already",
         highlight=False,
     )

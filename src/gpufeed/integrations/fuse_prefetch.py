@@ -111,7 +111,8 @@ class MountPrefetch(threading.Thread):
                 sent, chunk, chunk_bytes = chunk, [], 0
         yield from self._cached(sent)
         self.state.warm_files, self.state.warm_done = len(files), True
-        log.info("gpufeed fuse: warmup of %s done: %d files in %.1f s", self.nspath, len(files), time.monotonic() - started)
+        done = f"{len(files):,} file{'' if len(files) == 1 else 's'}"
+        log.info("gpufeed fuse: warmup of %s done: %s in %.1f s", self.nspath, done, time.monotonic() - started)
 
     def _handles(self, files: list[FileStat]) -> Iterator[ObjectHandle | None]:
         """Each file's handle, WARMUP_LOOKUPS files looked up together; None for a file that
