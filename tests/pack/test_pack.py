@@ -179,6 +179,7 @@ def test_bad_inputs_one_line(bucket: Bucket, tmp_path: Path, dataset: Path) -> N
     ok("mount", "add", "/empty", f"file://{tmp_path}/empty", "--allow-empty")
     assert "/empty: no files to pack" in fails(1, "pack", "/empty", f"file://{tmp_path}/p1")
     assert "/data/none: nothing to pack" in fails(1, "pack", "/data/none", f"file://{tmp_path}/p2")
+    assert not (tmp_path / "p1").exists() and not (tmp_path / "p2").exists(), "a pack that failed leaves no empty destination"
     inside = fails(2, "pack", "/data/train", f"{dataset}/packed")  # the next pack of /data would pack it again
     assert f"file://{dataset}/packed: inside the source of /data (file://{dataset})" in inside
     ok("pack", "/data", f"file://{tmp_path}/p3")

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import typer
 
-from gpufeed.cli.console import human_bytes, out
+from gpufeed.cli.console import counted, human_bytes, out
 from gpufeed.cli.progress import Meter
 from gpufeed.config import parse_size
 
@@ -45,21 +47,31 @@ def pack(
     started = time.monotonic()
     dest = as_url(dest)
     client = Client()
-    job = packer.prepare(
-        client, nspath, packer.destination(dest, parse_options(opt), client), shard_size=parse_size(shard_size, "--shard-size"),
-        order=order,
-    )
-    with Meter("pack", len(job.items), job.bytes, quiet=quiet or job.up_to_date()) as meter:
-        done = packer.pack(client, job, workers=workers, ray_address=ray, progress=meter.update)
+    local = Path(urlsplit(dest).path) if dest.startswith("file://") else None
+    fresh = local is not None and not local.exists()
+    try:
+        job = packer.prepare(
+            client, nspath, packer.destination(dest, parse_options(opt), client),
+            shard_size=parse_size(shard_size, "--shard-size"), order=order,
+        )
+        with Meter("pack", len(job.items), job.bytes, quiet=quiet or job.up_to_date()) as meter:
+            done = packer.pack(client, job, workers=workers, ray_address=ray, progress=meter.update)
+    except BaseException:
+        if fresh and local is not None:  # the directory this pack made, while it is still empty
+            with contextlib.suppress(OSError):
+                local.rmdir()
+        raise
     seconds = time.monotonic() - started
     if as_json:
         typer.echo(json.dumps({**asdict(done), "seconds": round(seconds, 3)}))
         return
     if done.up_to_date:
-        out.print(f"{dest}: up to date ({done.files:,} files in {done.shards} shards{removed(done)})", highlight=False)
+        files, shards = counted(done.files, "file"), counted(done.shards, "shard")
+        out.print(f"{dest}: up to date ({files} in {shards}{removed(done)})", highlight=False)
         return
     out.print(
-        f"packed {done.files:,} files, {human_bytes(done.bytes)} from {job.nspath} into {dest}: {done.shards} shards "
+        f"packed {counted(done.files, 'file')}, {human_bytes(done.bytes)} from {job.nspath} into {dest}: "
+        f"{counted(done.shards, 'shard')} "
         f"({done.written} written, {done.kept} kept from an earlier run{removed(done)}) in {seconds:.1f} s",
         highlight=False,
     )
@@ -67,4 +79,4 @@ def pack(
 
 def removed(done: Packed) -> str:
     """What the run's summary adds when it removed an earlier pack's shards."""
-    return f", {done.removed} stale shard{'s' if done.removed != 1 else ''} removed" if done.removed else ""
+    return f", {counted(done.removed, 'stale shard')} removed" if done.removed else ""
