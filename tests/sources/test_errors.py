@@ -192,6 +192,17 @@ def test_missing_local_directory(tmp_path: Path) -> None:
         Namespace().add_mount("/data", f"file://{tmp_path}/a.txt")
 
 
+def test_a_percent_encoded_file_url_names_its_directory_and_a_literal_percent_still_works(tmp_path: Path) -> None:
+    """gpufeed's own file URLs hold the path as it is (`as_url`); one written the standard way
+    (`Path.as_uri()`: a space as %20) names the same directory, so the same blocks."""
+    spaced, literal = tmp_path / "my data", tmp_path / "100%20done"
+    for root in (spaced, literal):
+        root.mkdir()
+        (root / "a.txt").write_bytes(root.name.encode())
+    assert open_source(spaced.as_uri(), {}, Settings.from_env()).url == f"file://{spaced}"
+    assert open_source(f"file://{literal}", {}, Settings.from_env()).url == f"file://{literal}", "an existing path wins"
+
+
 class _HtmlHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass

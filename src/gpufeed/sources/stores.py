@@ -12,7 +12,7 @@ import os
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import SplitResult, urlsplit, urlunsplit
+from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 import obstore
 from obstore import exceptions as obx
@@ -95,6 +95,8 @@ def local_source(url: str, parts: SplitResult, options: dict[str, str], settings
         raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
     _no_options(url, options)
     root = Path(parts.path)
+    if not root.exists() and Path(unquote(parts.path)).exists():  # a standard URL (`Path.as_uri()`): percent-encoded
+        root = Path(unquote(parts.path))
     if not root.is_absolute():
         raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
     if root.is_file():
