@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from gpufeed.pack import index as idx
 from gpufeed.pack.layout import DIR, FORMATS, INDEX_KEY, shard_row
 from gpufeed.pack.members import MemberTable
 from gpufeed.sources.base import ObjectInfo, Source
+
+HEAD_CONCURRENCY = 32
+"""HEADs in flight when a pack's objects are looked up one by one (a listing that hides them)."""
 
 
 def detect(source: Source, requested: str) -> str:
@@ -53,14 +57,19 @@ def listing(source: Source, fmt: str) -> Iterator[list[ObjectInfo]]:
 def pack_rows(source: Source) -> tuple[list[ObjectInfo], MemberTable]:
     """A gpufeed pack's manifest rows and its member table. The rows are hidden: one per shard
     and one for the index, whose content hash names the table (`member_table` finds or builds
-    it again from that row on any node); the members are in the table, not in rows."""
+    it again from that row on any node); the members are in the table, not in rows. A listing
+    that does not show the pack's directory (nginx's index hides dot directories) is made up by
+    a HEAD of the index and of each shard it names, so a pack served from a web server's
+    directory mounts without a listing file."""
     objects = {info.key: info for batch in source.list() for info in batch if info.key.startswith(DIR + "/")}
     where = f"{source.url}/{INDEX_KEY}"
-    found = objects.get(INDEX_KEY)
+    found = objects.get(INDEX_KEY) or (_heads(source, [INDEX_KEY]).get(INDEX_KEY) if not objects else None)
     if found is None:
         raise PackError(f"{where}: no pack index (was 'gpufeed pack' interrupted? run it again)")
     data = source.get_range(INDEX_KEY, 0, found.size, found)
     index = idx.decode(data, where)
+    if not objects:
+        objects = _heads(source, index.shards)
     for key, size in zip(index.shards, index.shard_sizes, strict=True):
         shard = objects.get(key)
         if shard is None or shard.size != size:
@@ -68,6 +77,19 @@ def pack_rows(source: Source) -> tuple[list[ObjectInfo], MemberTable]:
             raise PackError(f"{source.url}/{key}: shard {now}, the index says {size} bytes; run 'gpufeed pack' again")
     indexed = replace(found, content_hash=f"sha256:{hashlib.sha256(data).hexdigest()}")
     return [shard_row(objects[key]) for key in index.shards] + [shard_row(indexed)], MemberTable.build(index)
+
+
+def _heads(source: Source, keys: list[str]) -> dict[str, ObjectInfo]:
+    """The objects of `keys` that exist, by HEAD, HEAD_CONCURRENCY at a time."""
+
+    def head(key: str) -> ObjectInfo | None:
+        try:
+            return source.head(key)
+        except ObjectMissing:
+            return None
+
+    with ThreadPoolExecutor(HEAD_CONCURRENCY, thread_name_prefix="gpufeed-head") as pool:
+        return {info.key: info for info in pool.map(head, keys) if info is not None}
 
 
 def member_table(source: Source, row: ObjectInfo, tables: Path) -> MemberTable:
