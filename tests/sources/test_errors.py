@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import gpufeed
 from gpufeed.config import Settings
 from gpufeed.errors import (
     InvalidArgument,
@@ -253,12 +254,15 @@ def test_http_listing_file_with_and_without_sizes(nginx: HttpServer, tmp_path: P
     (site / "d").mkdir(parents=True)
     (site / "d" / "one").write_bytes(b"1" * 11)
     (site / "two").write_bytes(b"2" * 22)
+    (site / "d" / "with space.jpg").write_bytes(b"3" * 33)
+    (site / "d" / "no size.jpg").write_bytes(b"4" * 4)
     listing = tmp_path / "files.txt"
-    listing.write_text("# key size\nd/one 11\n\n/two\n")
+    listing.write_text("# key size\nd/one 11\n\n/two\nd/with space.jpg\t33\nd/no size.jpg\t\n")
     ns = Namespace()
     _, stats = ns.add_mount("/web", f"{nginx.url}/{site.name}", {"list": str(listing)})
-    assert (stats.files, stats.bytes) == (2, 33)
-    assert ns.stat("/web/two").size == 22
+    assert (stats.files, stats.bytes) == (4, 70)
+    assert ns.stat("/web/two").size == 22 and ns.stat("/web/d/no size.jpg").size == 4
+    assert gpufeed.read("/web/d/with space.jpg") == b"3" * 33, "a key with a space, read from nginx"
     wrong = tmp_path / "wrong.txt"
     wrong.write_text("d/one 999\ntwo 22\n")
     with pytest.raises(InvalidArgument, match=f"wrong.txt: d/one is listed with 999 bytes, but {nginx.url}/.*/d/one has 11"):
@@ -267,7 +271,7 @@ def test_http_listing_file_with_and_without_sizes(nginx: HttpServer, tmp_path: P
         ns.add_mount("/typo", f"{nginx.url}/{site.name}-typo", {"list": str(wrong)})
     bad = tmp_path / "bad.txt"
     bad.write_text("d/one eleven\n")
-    with pytest.raises(InvalidArgument, match=r"bad.txt:1: expected 'KEY \[SIZE\]'"):
+    with pytest.raises(InvalidArgument, match=r"bad.txt:1: expected 'KEY \[SIZE\]' \(a key with spaces: KEY<tab>SIZE\)"):
         ns.add_mount("/web2", f"{nginx.url}/{site.name}", {"list": str(bad)})
 
 

@@ -52,7 +52,9 @@ def add(
         help="Trust the listing this many seconds; after that every open checks the object with one HEAD and "
         "reads its current version. An open file keeps the version it opened with, as in strict mode.",
     ),
-    listing: str | None = typer.Option(None, "--list", help="http(s) only: file listing 'KEY [SIZE]' per line."),
+    listing: str | None = typer.Option(
+        None, "--list", help="http(s) only: file listing 'KEY [SIZE]' per line (KEY<tab>SIZE for a key with spaces)."
+    ),
     checksums: str | None = typer.Option(
         None,
         "--checksums",

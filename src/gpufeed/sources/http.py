@@ -2,7 +2,8 @@
 (nginx `autoindex_format json`) crawled concurrently, or from a listing file.
 
 A listing file (`--list FILE`) has one object per line: `KEY [SIZE]`, KEY relative to the
-source URL. Lines without a size are completed with a HEAD request.
+source URL; a line with a tab is `KEY<tab>[SIZE]`, so a key may hold spaces. Lines without a
+size are completed with a HEAD request.
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ class HttpSource(ObstoreSource):
             raise InvalidArgument(f"{self.url}: listing file {path}: {exc.strerror}") from exc
         with lines:
             for number, line in enumerate(_decoded(lines, path), 1):
-                fields = line.split()
+                fields = _fields(line)
                 if not fields or fields[0].startswith("#"):
                     continue
                 if len(fields) > 2 or (len(fields) == 2 and not fields[1].isdigit()):
-                    raise InvalidArgument(f"{path}:{number}: expected 'KEY [SIZE]', got {line.strip()!r}")
+                    raise InvalidArgument(
+                        f"{path}:{number}: expected 'KEY [SIZE]' (a key with spaces: KEY<tab>SIZE), got {line.strip()!r}"
+                    )
                 batch.append((fields[0].lstrip("/"), int(fields[1]) if len(fields) == 2 else None))
                 if len(batch) == LIST_CHUNK:
                     yield self._complete(batch)
@@ -86,6 +89,15 @@ class HttpSource(ObstoreSource):
 
     async def _head_many(self, keys: builtins.list[str]) -> builtins.list[ObjectInfo]:
         return await gather_all(self.head_async(key) for key in keys)
+
+def _fields(line: str) -> list[str]:
+    """A listing line's key and size: split at its last tab where it has one, else at whitespace."""
+    text = line.rstrip("\r\n")
+    if "\t" not in text:
+        return text.split()
+    key, _, size = text.rpartition("\t")
+    return [part for part in (key.strip(), size.strip()) if part]
+
 
 def _decoded(lines: Iterator[str], path: Path) -> Iterator[str]:
     try:
