@@ -99,6 +99,9 @@ def test_errors_are_one_line_with_exit_codes(dataset: Path, bucket: Bucket, moto
         env={"GPUFEED_RETRY_TIMEOUT": "0.5"},
     )
     assert "cannot reach the store" in unreachable and "s3://b (endpoint http://127.0.0.1:" in unreachable
+    port = free_port()
+    unreachable = fails(1, "mount", "add", "/w", f"http://127.0.0.1:{port}/d", "-q", env={"GPUFEED_RETRY_TIMEOUT": "0.5"})
+    assert unreachable.endswith(f"http://127.0.0.1:{port}/d/: cannot reach the server (Connection refused)"), unreachable
     assert "InvalidAccessKeyId" in fails(1, "mount", "add", "/a", "s3://b", "-o", f"endpoint={moto_auth_endpoint}")
     assert "/nope: no such mount" in fails(1, "mount", "rm", "/nope")
     assert "is a directory" in fails(1, "cat", "/data/train")

@@ -8,6 +8,8 @@ aiohttp costs about 0.25 s of CPU here, which the agent paid inside its first co
 from __future__ import annotations
 
 import json
+import os
+import socket
 from collections import deque
 from collections.abc import Iterator
 from email.utils import parsedate_to_datetime
@@ -58,6 +60,17 @@ async def _open_session(settings: Settings) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=timeout)
 
 
+def _why(exc: BaseException) -> str:
+    """What a user can act on in a connection failure: the system's words for it ("Connection
+    refused", "Name or service not known"), not aiohttp's ("Cannot connect to host … ssl:default")."""
+    cause = getattr(exc, "os_error", None)
+    if isinstance(cause, OSError) and cause.errno is not None:
+        return (cause.strerror or str(cause)) if isinstance(cause, socket.gaierror) else os.strerror(cause.errno)
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return str(exc) or type(exc).__name__
+
+
 async def _index_page(session: aiohttp.ClientSession, url: str, policy: retry.RetryPolicy) -> list[dict[str, Any]]:
     return await retry.call_async(policy, lambda: _index_page_once(session, url))
 
@@ -78,7 +91,7 @@ async def _index_page_once(session: aiohttp.ClientSession, url: str) -> list[dic
     except aiohttp.ClientPayloadError as exc:
         raise Retryable("broken response body", SourceError(f"{url}: the index page broke off ({exc})")) from exc
     except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-        error = SourceUnreachable(f"{url}: cannot reach the server ({exc or type(exc).__name__})")
+        error = SourceUnreachable(f"{url}: cannot reach the server ({_why(exc)})")
         raise Retryable("connection failure", error) from exc
     try:
         page = json.loads(body)
