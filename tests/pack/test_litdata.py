@@ -101,6 +101,9 @@ def test_chunks_without_samples_are_refused_as_empty(tmp_path: Path) -> None:
     (tmp_path / "index.json").write_bytes(index([("chunk-0-0.bin", data, 0)], data_spec(LEAF), ["bytes"]))
     line = fails(1, "mount", "add", "/empty", f"file://{tmp_path}", "--opt", "format=litdata")
     assert line.endswith(f"file://{tmp_path}: its litdata shards hold no members (--allow-empty mounts it anyway)")
+    (tmp_path / "index.json").write_text("{}")
+    line = fails(1, "mount", "add", "/empty", f"file://{tmp_path}", "--opt", "format=litdata")
+    assert line.endswith(f"file://{tmp_path}/index.json: not a LitData index (no 'chunks' field)"), line
 
 
 def test_leaf_names_fall_back_to_positions_where_a_key_cannot_name_a_file() -> None:

@@ -77,7 +77,7 @@ def mds(source: Source) -> Iterator[list[ObjectInfo]]:
         counts = [int(shard["samples"]) for shard in shards]
         refused = [shard.get("compression") for shard in shards if shard.get("format") != "mds" or shard.get("compression")]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise PackError(f"{where}: not an MDS index ({type(exc).__name__}: {exc})") from None
+        raise PackError(f"{where}: not an MDS index ({_missing(exc)})") from None
     if refused:
         raise PackError(f"{where}: only uncompressed MDS shards can be read in place (found {refused[0]})")
     infos = _shards(source, objects, keys, "MDS shard")
@@ -129,7 +129,7 @@ def litdata(source: Source) -> Iterator[list[ObjectInfo]]:
         if config.get("item_loader", "PyTreeLoader") != "PyTreeLoader":
             refused.append(f"item_loader={config['item_loader']}")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise PackError(f"{where}: not a LitData index ({type(exc).__name__}: {exc})") from None
+        raise PackError(f"{where}: not a LitData index ({_missing(exc)})") from None
     if refused:
         raise PackError(f"{where}: only uncompressed, unencrypted PyTreeLoader chunks can be read in place "
                         f"(found {', '.join(refused)})")
@@ -140,6 +140,11 @@ def litdata(source: Source) -> Iterator[list[ObjectInfo]]:
     for count, info in zip(counts, infos, strict=True):
         yield list(_samples(source, info, count, names, [None] * len(names), first, "LitData", ARROW_ROWS))
         first += count
+
+
+def _missing(exc: Exception) -> str:
+    """What an index.json lacks, in its own terms: a field, or a field of the wrong kind."""
+    return f"no {exc.args[0]!r} field" if isinstance(exc, KeyError) else f"a field of the wrong kind: {exc}"
 
 
 def leaf_names(data_spec: object, leaves: int) -> list[str]:
