@@ -143,8 +143,7 @@ def object_blocks(url: str, options: dict[str, str], info: ObjectInfo, block_siz
     if info.content_hash:
         bytes_named = f"#{info.content_hash}"
     elif sums_checked(info, block_size):
-        assert info.chunk_sums is not None
-        bytes_named = f"#chunks:{xxhash.xxh3_128_hexdigest(info.chunk_sums)}"
+        bytes_named = f"#chunks:{info.sums_id}"
     else:
         bytes_named = info.version
     identity = f"{source_identity(url, options)}\0{info.key}\0{bytes_named}\0{block_size}{mark}"
@@ -171,25 +170,27 @@ def sums_length(size: int) -> int:
     return SUM.size * -(-size // CHUNK)
 
 
+def sums_id(sums: bytes | memoryview) -> str:
+    """What names a shard's listed chunk sums (`ObjectInfo.sums_id`)."""
+    return xxhash.xxh3_128_hexdigest(sums)
+
+
 def sums_checked(info: ObjectInfo, block_size: int) -> bool:
     """Whether the object's blocks of `block_size` are checked against its listed chunk sums:
     only blocks cut where chunks start are (the default 4 MiB is 16 chunks)."""
-    return info.chunk_sums is not None and block_size % CHUNK == 0
+    return info.sums_id is not None and block_size % CHUNK == 0
 
 
-def listed_sums(info: ObjectInfo, start: int, length: int) -> bytes:
-    """The listed sums of the chunks of bytes [start, start + length), `start` on a chunk."""
-    assert info.chunk_sums is not None
+def listed_sums(sums: bytes | memoryview, start: int, length: int) -> bytes:
+    """Of an object's listed sums, those of the chunks of bytes [start, start + length), `start` on a chunk."""
     first = start // CHUNK
-    return info.chunk_sums[SUM.size * first : SUM.size * (first + chunk_count(length))]
+    return bytes(sums[SUM.size * first : SUM.size * (first + chunk_count(length))])
 
 
-def chunk_span(info: ObjectInfo, start: int, end: int) -> tuple[int, int]:
-    """[start, end) widened to whole chunks where the object has listed chunk sums: the least a
-    read straight from the store can check."""
-    if info.chunk_sums is None:
-        return start, end
-    return start - start % CHUNK, min(info.size, -(-end // CHUNK) * CHUNK)
+def chunk_span(size: int, start: int, end: int) -> tuple[int, int]:
+    """[start, end) of an object of `size` bytes widened to whole chunks: the least a read
+    straight from the store can check against listed chunk sums."""
+    return start - start % CHUNK, min(size, -(-end // CHUNK) * CHUNK)
 
 
 def mismatch(info: ObjectInfo, start: int, exc: ChunkMismatch) -> ObjectCorrupted:
@@ -211,10 +212,10 @@ def compare_sums(got: bytes, listed: bytes) -> None:
             raise ChunkMismatch(chunk, a, b)
 
 
-def check_chunks(info: ObjectInfo, start: int, data: memoryview | bytes) -> None:
+def check_chunks(info: ObjectInfo, sums: bytes | memoryview, start: int, data: memoryview | bytes) -> None:
     """Check bytes read from `start` (`chunk_span`'s) against the object's listed chunk sums."""
     try:
-        compare_sums(chunk_sums(data), listed_sums(info, start, len(data)))
+        compare_sums(chunk_sums(data), listed_sums(sums, start, len(data)))
     except ChunkMismatch as exc:
         raise mismatch(info, start, exc) from None
 

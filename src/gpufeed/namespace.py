@@ -486,5 +486,10 @@ class Namespace:
                 f"run 'gpufeed mount refresh {where.mount.path}'"
             )
         table = self.members(where.mount)
-        sums = None if table is None else table.chunk_sums(member.pack_key)
-        return replace(entry.object_info(), key=member.pack_key, chunk_sums=sums)
+        sums = None if table is None else table.sums_id(member.pack_key)
+        return replace(entry.object_info(), key=member.pack_key, sums_id=sums)
+
+    def shard_sums(self, mount: Mount, shard: str) -> memoryview | None:
+        """The chunk sums a gpufeed pack mount's index lists for `shard` (`container`'s sums_id names them)."""
+        table = self.members(mount)
+        return None if table is None else table.chunk_sums(shard)

@@ -19,6 +19,7 @@ from gpufeed.blocks import (
     header_length,
     listed_sums,
     object_blocks,
+    sums_id,
 )
 from gpufeed.cache import blockfile
 from gpufeed.cache.layout import BlockRef
@@ -207,23 +208,24 @@ def test_a_block_is_published_only_when_its_chunks_match_the_listed_sums(tmp_pat
     header is made of: a block cut where chunks start is published; one chunk off is refused
     before anything is written."""
     shard = os.urandom(5 * CHUNK + 1000)
-    info = ObjectInfo("shards/s0", len(shard), 0.0, "v1", chunk_sums=chunk_sums(shard))
+    sums = chunk_sums(shard)
+    info = ObjectInfo("shards/s0", len(shard), 0.0, "v1", sums_id=sums_id(sums))
     blocks = object_blocks("file:///src", {}, info, 2 * CHUNK, True)
     r = BlockRef.of((tmp_path,), blocks, True, OpenBlocks(Path("/nonexistent"), 0))
     for index in range(blocks.count):
         start = index * blocks.block_size
         data = shard[start : start + blocks.length(index)]
-        blockfile.publish(r.path(index), blocks.block(index), data, listed_sums(info, start, len(data)))
+        blockfile.publish(r.path(index), blocks.block(index), data, listed_sums(sums, start, len(data)))
         assert bytes(blockfile.read(r, index, 0, len(data))) == data
     damaged = bytearray(shard[2 * CHUNK : 4 * CHUNK])
     damaged[CHUNK + 7] ^= 1
     os.unlink(r.path(1))
     with pytest.raises(ChunkMismatch) as caught:
-        blockfile.publish(r.path(1), blocks.block(1), damaged, listed_sums(info, 2 * CHUNK, len(damaged)))
+        blockfile.publish(r.path(1), blocks.block(1), damaged, listed_sums(sums, 2 * CHUNK, len(damaged)))
     assert caught.value.chunk == 1 and caught.value.got != caught.value.listed
     assert not Path(r.path(1)).exists() and list((tmp_path / "tmp").iterdir()) == [], "nothing written"
     with pytest.raises(ObjectCorrupted, match=r"shards/s0: bytes \[786432, 1048576\) hash to xxh3:[0-9a-f]{16}, its pack index"):
-        check_chunks(info, 2 * CHUNK, damaged)
+        check_chunks(info, sums, 2 * CHUNK, damaged)
 
 
 def test_chunk_sums_name_blocks_only_where_blocks_start_on_chunks() -> None:
@@ -231,14 +233,13 @@ def test_chunk_sums_name_blocks_only_where_blocks_start_on_chunks() -> None:
     (a version 1 index, a plain mount of the shard) is never served as a checked one; a block
     size that is not a multiple of a chunk cannot be checked, so it keeps the version's names."""
     plain = ObjectInfo("s0", 10 * CHUNK, 0.0, "v1")
-    summed = ObjectInfo("s0", 10 * CHUNK, 0.0, "v1", chunk_sums=bytes(80))
-    other = ObjectInfo("s0", 10 * CHUNK, 0.0, "v1", chunk_sums=bytes(72) + b"\1" * 8)
+    summed = ObjectInfo("s0", 10 * CHUNK, 0.0, "v1", sums_id=sums_id(bytes(80)))
+    other = ObjectInfo("s0", 10 * CHUNK, 0.0, "v1", sums_id=sums_id(bytes(72) + b"\1" * 8))
 
     def oid(info: ObjectInfo, block_size: int) -> str:
         return object_blocks("file:///src", {}, info, block_size, True).oid
 
     assert len({oid(plain, 4 << 20), oid(summed, 4 << 20), oid(other, 4 << 20)}) == 3
     assert oid(summed, CHUNK + 4096) == oid(plain, CHUNK + 4096)
-    assert chunk_span(summed, CHUNK + 5, CHUNK + 9) == (CHUNK, 2 * CHUNK)
-    assert chunk_span(summed, 9 * CHUNK + 1, 10 * CHUNK + 5) == (9 * CHUNK, 10 * CHUNK)
-    assert chunk_span(plain, 5, 9) == (5, 9)
+    assert chunk_span(10 * CHUNK, CHUNK + 5, CHUNK + 9) == (CHUNK, 2 * CHUNK)
+    assert chunk_span(10 * CHUNK - 7, 9 * CHUNK + 1, 10 * CHUNK - 7) == (9 * CHUNK, 10 * CHUNK - 7)

@@ -306,3 +306,30 @@ def test_cluster_status_lists_the_live_nodes_and_bad_settings_are_one_line(
     no_token = subprocess.run([sys.executable, "-m", "gpufeed", "agent", "--cache-dir", str(tmp_path / "y"), "--cluster", url,
                                "--peer-addr", f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60, env=unset)
     assert no_token.returncode != 0 and "GPUFEED_CLUSTER_TOKEN" in no_token.stderr and "Traceback" not in no_token.stderr
+
+
+def test_a_packs_blocks_go_through_their_owners_checked_against_the_index_sums(
+    cluster: tuple[str, list[Member]], nginx: HttpServer, tmp_path: Path
+) -> None:
+    """Blocks of a gpufeed pack's shards are fetched by their owners with the listed chunk sums
+    of just those blocks (`ObjectWant.sums`, forwarded in the peer request), and checked there:
+    every member reads right on every node, each block from the store once for the cluster."""
+    _, members = cluster
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    digests = {}
+    for i in range(FILES):
+        body = os.urandom(60_000 + i)
+        (raw / f"{i:03d}.bin").write_bytes(body)
+        digests[f"/packed/{i:03d}.bin"] = hashlib.sha256(body).hexdigest()
+    site = nginx.root / f"packed-{tmp_path.name}"
+    Namespace().add_mount("/raw", f"file://{raw}")
+    subprocess.run([sys.executable, "-m", "gpufeed", "pack", "/raw", f"file://{site}", "-q"], check=True, timeout=120)
+    Namespace().add_mount("/packed", f"{nginx.url}/{site.name}", {"format": "gpufeed-pack", "block_size": "256KiB"})
+    paths = sorted(digests)
+    for member in members:
+        assert member.read_all(paths) == digests
+    time.sleep(0.2)  # nginx logs a request after answering it
+    shard_gets = re.findall(rf'"GET /{site.name}/\.gpufeed-pack/shards/\S+\.gfp ', nginx.access_log.read_text())
+    blocks = -(-sum(60_000 + i for i in range(FILES)) // (256 << 10))
+    assert blocks <= len(shard_gets) <= blocks + 2, "each block from the store once (shards may hold a little padding)"

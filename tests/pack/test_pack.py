@@ -351,3 +351,29 @@ def test_shards_written_in_worker_processes_match_a_pack_in_this_process(
     assert heard[-1] == alone[-1] and heard[-1][0] == 120, "every file's progress reached the caller"
     assert len(heard) > 3, "progress came shard by shard, not once at the end"
     assert multiprocessing.active_children() == started, "the worker processes are gone"
+
+
+def test_requests_carry_the_sums_of_their_blocks_and_direct_reads_share_chunks(tmp_path: Path) -> None:
+    """A request names a shard by its sums' id and carries the listed sums of the blocks it
+    wants only (128 bytes a 4 MiB block), never the whole shard's; reads straight from the store
+    (cache off) of members in a row share reads of whole chunks instead of each reading its own."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    rng = random.Random(9)
+    files = {f"f{n:03d}.bin": rng.randbytes(100_000) for n in range(120)}
+    for name, data in files.items():
+        (raw / name).write_bytes(data)
+    Namespace().add_mount("/raw", f"file://{raw}")
+    ok("pack", "/raw", f"file://{tmp_path}/p")
+    ok("mount", "add", "/p", f"file://{tmp_path}/p")
+    ok("mount", "add", "/off", f"file://{tmp_path}/p", "--opt", "cache=off")
+    client = Client()
+    handle = client.handle("/p/f050.bin")
+    assert handle.info.sums_id is not None and handle.chunk_sums is not None
+    assert len(handle.chunk_sums) == 8 * -(-handle.info.size // (256 << 10)), "the whole shard's sums stay in the reader"
+    (group,), _ = client.fetches._groups([(handle, [0, 1], [])])
+    assert len(group.objects[0].sums) == 2 * 8 * 16, "the sums of blocks 0 and 1 only (of 3)"
+    assert [sha(bytes(v)) for v in client.read_files([f"/p/{k}" for k in files])] == [sha(v) for v in files.values()]
+    names = [f"/off/{k}" for k in sorted(files)[10:50]]
+    assert [sha(bytes(v)) for v in client.read_files(names)] == [sha(files[n.rsplit("/", 1)[1]]) for n in names]
+    assert client.direct_bytes < 1.2 * 40 * 100_000, "forty members in a row read as shared chunks"

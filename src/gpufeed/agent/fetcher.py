@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -28,15 +29,15 @@ from gpufeed.agent.manager import INLINE_PUBLISH, CacheManager
 from gpufeed.agent.metrics import Metrics
 from gpufeed.agent.sessions import Session, Sessions
 from gpufeed.blocks import (
+    SUM,
     WHOLE_OBJECT_MAX,
     BlockId,
     ChunkMismatch,
     ObjectBlocks,
-    listed_sums,
+    chunk_count,
     mismatch,
     object_blocks,
     sums_checked,
-    sums_length,
 )
 from gpufeed.config import Settings
 from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant, RangeBytes, RangeWant
@@ -71,6 +72,8 @@ class Job:
     """The request's group, which a peer rebuilds the object's store from."""
     reads: int = 1
     """For a prefetch: how many of the job's coming reads need the block."""
+    listed: bytes | None = None
+    """The chunk sums the block must have (a pack's shard, `ObjectWant.sums`), or None."""
 
     @property
     def block(self) -> BlockId:
@@ -80,12 +83,6 @@ class Job:
     def verified_whole(self) -> bool:
         """Whether this object's blocks are cached only after the whole object matched its hash."""
         return bool(self.want.info.content_hash) and self.blocks.count > 1 and self.want.info.size <= WHOLE_OBJECT_MAX
-
-    @property
-    def listed(self) -> bytes | None:
-        """The chunk sums the block must have (a pack's shard), or None."""
-        info, size = self.want.info, self.blocks.block_size
-        return listed_sums(info, self.index * size, self.blocks.length(self.index)) if sums_checked(info, size) else None
 
 
 class BlockSource(Protocol):
@@ -174,12 +171,10 @@ class Fetcher:
                     raise errors.InvalidArgument(str(exc)) from None
                 if any(not 0 <= i < blocks.count for i in want.blocks):
                     raise errors.InvalidArgument(f"a block index is outside {info.key} ({info.size} bytes)")
-                if info.chunk_sums is not None and len(info.chunk_sums) != sums_length(info.size):
-                    raise errors.InvalidArgument(f"{info.key}: {len(info.chunk_sums)} bytes of chunk sums for {info.size} bytes")
                 if want.reads and (len(want.reads) != len(want.blocks) or min(want.reads) < 1):
                     raise errors.InvalidArgument(f"{info.key}: expected a count of reads >= 1 for each block asked for")
-                reads = zip(want.blocks, want.reads or [1] * len(want.blocks), strict=True)
-                jobs.extend(Job(number, source, want, blocks, index, group.mount, group, n) for index, n in reads)
+                reads = zip(want.blocks, want.reads or [1] * len(want.blocks), _listed(want, blocks), strict=True)
+                jobs.extend(Job(number, source, want, blocks, index, group.mount, group, n, sums) for index, n, sums in reads)
                 number += 1
                 if len(jobs) > MAX_BLOCKS_PER_REQUEST:
                     raise errors.InvalidArgument(f"more than {MAX_BLOCKS_PER_REQUEST} blocks in one request")
@@ -428,6 +423,18 @@ class Fetcher:
                 self.sessions.pin(session, job.block.name)
             if session.pin:
                 self.sessions.release(length)
+
+
+def _listed(want: ObjectWant, blocks: ObjectBlocks) -> list[bytes | None]:
+    """The listed chunk sums of each wanted block (`ObjectWant.sums`, cut block by block); None
+    each where the object's blocks are not checked against any."""
+    if not sums_checked(want.info, want.block_size):
+        return [None] * len(want.blocks)
+    sizes = [SUM.size * chunk_count(blocks.length(index)) for index in want.blocks]
+    if sum(sizes) != len(want.sums):
+        raise errors.InvalidArgument(f"{want.info.key}: {len(want.sums)} bytes of chunk sums for blocks that need {sum(sizes)}")
+    ends = list(itertools.accumulate(sizes))
+    return [want.sums[end - size : end] for size, end in zip(sizes, ends, strict=True)]
 
 
 def _hexdigest(algorithm: str, data: bytearray) -> str:

@@ -325,7 +325,8 @@ class PeerBlocks:
         for job, index, _, _ in batch:
             assert job.group is not None
             want = job.want
-            groups.append(Group(job.group.source, [ObjectWant(want.info, want.check, want.block_size, [index])],
+            sums = job.listed if job.listed is not None and index == job.index else b""
+            groups.append(Group(job.group.source, [ObjectWant(want.info, want.check, want.block_size, [index], sums=sums)],
                                 job.group.credentials, job.group.mount))
         try:
             async with self.session.post(
@@ -388,7 +389,8 @@ class PeerBlocks:
         for same in of_object.values():
             first, want = same[0], same[0].want
             assert first.group is not None
-            wanted = ObjectWant(want.info, want.check, want.block_size, [job.index for job in same])
+            sums = b"".join(job.listed or b"" for job in same)
+            wanted = ObjectWant(want.info, want.check, want.block_size, [job.index for job in same], sums=sums)
             groups.append(Group(first.group.source, [wanted], first.group.credentials, first.group.mount))
         try:
             async with self.session.post(

@@ -43,11 +43,12 @@ def pack(
     from gpufeed.mount_options import parse_options
     from gpufeed.pack import packer
     from gpufeed.sources import as_url
+    from gpufeed.sources.stores import local_path
 
     started = time.monotonic()
     dest = as_url(dest)
     client = Client()
-    local = Path(urlsplit(dest).path) if dest.startswith("file://") else None
+    local = local_path(urlsplit(dest).path) if dest.startswith("file://") else None
     fresh = local is not None and not local.exists()
     try:
         job = packer.prepare(

@@ -21,6 +21,8 @@ from gpufeed.paths import since_listed
 from gpufeed.sources.base import obstore_unusable
 
 DIRECT_CONCURRENCY = 64
+MERGED_MAX = 4 << 20
+"""The longest read of a shard's whole chunks that several ranges of one batch share."""
 """Ranged GETs one batch keeps in flight when it reads from the source itself."""
 
 AgentRanges = Callable[[list[tuple[ObjectHandle, int, int]]], list[memoryview]]
@@ -50,32 +52,29 @@ class DirectReads:
         sums the pack index lists."""
         reads: dict[object, tuple[ObjectHandle, int, int]] = {}
         cuts: dict[tuple[int, int], tuple[object, int, int]] = {}
-        summed: list[object] = []
+        shards: dict[tuple[str, str, str], list[tuple[int, int, tuple[int, int], ObjectHandle]]] = {}
         for key, (handle, start, end) in ranges.items():
             info = handle.info
             if info.content_hash and info.size <= WHOLE_OBJECT_MAX:
                 whole = (handle.path, info.version)
                 reads.setdefault(whole, (handle, 0, info.size))
                 cuts[key] = (whole, start, end)
-            elif info.chunk_sums is not None and end > start:
-                lo, hi = chunk_span(info, start, end)
-                span = (info.key, info.version, lo, hi)
-                if span not in reads:
-                    reads[span] = (handle, lo, hi)
-                    summed.append(span)
-                cuts[key] = (span, start - lo, end - lo)
+            elif handle.chunk_sums is not None and end > start:
+                shards.setdefault((handle.mount.path, info.key, info.version), []).append((start, end, key, handle))
             else:
                 reads[key] = (handle, start, end)
                 cuts[key] = (key, 0, end - start)
+        summed = [span for wanted in shards.values() for span in _chunk_spans(wanted, reads, cuts)]
         got = self._ranges(reads)
         for read in summed:
             handle, lo, hi = reads[read]
+            assert handle.chunk_sums is not None
             try:
-                check_chunks(handle.info, lo, got[read])
+                check_chunks(handle.info, handle.chunk_sums, lo, got[read])
             except ObjectCorrupted:  # read once more, as the agent does: a flip in transit passes
                 got[read] = self._ranges({read: (handle, lo, hi)})[read]
                 try:
-                    check_chunks(handle.info, lo, got[read])
+                    check_chunks(handle.info, handle.chunk_sums, lo, got[read])
                 except ObjectCorrupted as exc:
                     raise ObjectCorrupted(f"{handle.path}: {exc}") from None
         return {key: got[read][lo:hi] for key, (read, lo, hi) in cuts.items()}
@@ -129,6 +128,39 @@ class DirectReads:
     def _counted(self, handle: ObjectHandle, data: memoryview, start: int, end: int) -> memoryview:
         self.bytes += len(data)
         return _checked(handle, data, start, end)
+
+
+def _chunk_spans(
+    wanted: list[tuple[int, int, tuple[int, int], ObjectHandle]],
+    reads: dict[object, tuple[ObjectHandle, int, int]],
+    cuts: dict[tuple[int, int], tuple[object, int, int]],
+) -> list[object]:
+    """Reads of whole chunks of one shard covering the ranges `wanted` (start, end, key, handle),
+    added to `reads` and `cuts`: ranges whose chunks overlap or touch share one read of at most
+    MERGED_MAX bytes (forty 100 KB members in a row are one read of 4 MiB, not forty of 256 to 512
+    KiB). Returns the reads made."""
+    made: list[object] = []
+    span: tuple[int, int] | None = None
+    members: list[tuple[int, int, tuple[int, int]]] = []
+
+    def close() -> None:
+        if span is not None:
+            handle = wanted[0][3]
+            read = (handle.mount.path, handle.info.key, handle.info.version, *span)
+            reads[read] = (handle, *span)
+            made.append(read)
+            cuts.update((key, (read, start - span[0], end - span[0])) for start, end, key in members)
+
+    for start, end, key, handle in sorted(wanted, key=lambda w: w[0]):
+        lo, hi = chunk_span(handle.info.size, start, end)
+        if span is not None and lo <= span[1] and max(hi, span[1]) - span[0] <= MERGED_MAX:
+            span = (span[0], max(hi, span[1]))
+        else:
+            close()
+            span, members = (lo, hi), []
+        members.append((start, end, key))
+    close()
+    return made
 
 
 def _checked(handle: ObjectHandle, data: memoryview, start: int, end: int) -> memoryview:

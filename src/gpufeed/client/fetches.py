@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NoReturn
 
+from gpufeed.blocks import listed_sums, sums_checked
 from gpufeed.client.connection import AgentClient, AgentUnavailable
 from gpufeed.client.direct import explained
 from gpufeed.client.handles import ObjectHandle
@@ -152,8 +153,17 @@ class AgentFetches:
             group, members = groups[key]
             members.append(handle)
             block_size = handle.blocks.block_size if handle.blocks is not None else 0  # none: ranges only
-            group.objects.append(ObjectWant(info, not mount.immutable, block_size, blocks, repair, reads[n] if reads else []))
+            counts = reads[n] if reads else []
+            group.objects.append(ObjectWant(info, not mount.immutable, block_size, blocks, repair, counts, _sums(handle, blocks)))
         return [group for group, _ in groups.values()], [h for _, members in groups.values() for h in members]
+
+
+def _sums(handle: ObjectHandle, blocks: list[int]) -> bytes:
+    """The listed chunk sums of each of a pack shard's wanted blocks (`ObjectWant.sums`)."""
+    ref = handle.blocks
+    if handle.chunk_sums is None or ref is None or not sums_checked(handle.info, ref.block_size):
+        return b""
+    return b"".join(listed_sums(handle.chunk_sums, index * ref.block_size, ref.length(index)) for index in blocks)
 
 
 def _raise(failure: Failure, order: list[ObjectHandle]) -> NoReturn:

@@ -49,6 +49,10 @@ class ObjectHandle:
     """Its mount's hits and stalls in this process, reported to the agent with the hits."""
     blocks: BlockRef | None = None
     member: ObjectInfo | None = None
+    chunk_sums: memoryview | None = None
+    """The chunk sums the pack index lists for the shard (`info.sums_id` names them): what the
+    agent checks its blocks against (sent per block, `ObjectWant.sums`) and reads straight
+    from the store are checked against here."""
 
     @property
     def size(self) -> int:
@@ -90,7 +94,7 @@ class Handles:
         self._lock = threading.Lock()
         """Guards evictions from the bounded memories (lookups need no lock)."""
         self._handles: dict[str, ObjectHandle] = {}
-        self._containers: dict[tuple[str, int, str], tuple[ObjectInfo, BlockRef | None]] = {}
+        self._containers: dict[tuple[str, int, str], tuple[ObjectInfo, BlockRef | None, memoryview | None]] = {}
         self._mounts_seen: list[Mount] | None = None
         self._generation_of: dict[str, int] = {}
         self._files: OpenBlocks | None = None
@@ -122,12 +126,13 @@ class Handles:
         """The handle of an object just opened, remembered where that stays true."""
         mount = where.mount
         policy = CachePolicy.of(mount, self.settings)
-        member = None
+        member = sums = None
         if info.pack_key is not None:
-            member, (info, blocks) = info, self._container(where, info, policy)
+            member, (info, blocks, sums) = info, self._container(where, info, policy)
         else:
             blocks = self._blocks(mount, info, policy)
-        handle = ObjectHandle(f"{mount.path}/{where.key}", mount, source, info, self.hits.tally(mount.path), blocks, member)
+        path = f"{mount.path}/{where.key}"
+        handle = ObjectHandle(path, mount, source, info, self.hits.tally(mount.path), blocks, member, sums)
         if _rememberable(mount, policy, info, blocks):
             self._remember(self._handles, path, handle, HANDLE_CACHE)
         return handle
@@ -169,17 +174,20 @@ class Handles:
         identity = object_blocks(mount.url, source_options(mount), info, policy.block_size, not mount.immutable)
         return BlockRef.of(cache[0], identity, policy.verify, cache[1])
 
-    def _container(self, where: Resolved, member: ObjectInfo, policy: CachePolicy) -> tuple[ObjectInfo, BlockRef | None]:
-        """A pack member's shard, as its mount's manifest pins it, and its blocks: looked up once
-        per shard and mount generation, not once per member (a DataLoader worker that starts each
-        epoch opens every member it reads, some 37 to a 4 MiB block of a shard)."""
+    def _container(
+        self, where: Resolved, member: ObjectInfo, policy: CachePolicy
+    ) -> tuple[ObjectInfo, BlockRef | None, memoryview | None]:
+        """A pack member's shard, as its mount's manifest pins it, its blocks and its listed chunk
+        sums: looked up once per shard and mount generation, not once per member (a DataLoader
+        worker that starts each epoch opens every member it reads, some 37 to a 4 MiB block of a shard)."""
         assert member.pack_key is not None
         mount = where.mount
         key = (mount.path, mount.generation, member.pack_key)
         known = self._containers.get(key)
         if known is None:
             info = self.namespace.container(where, member)
-            known = (info, self._blocks(mount, info, policy))
+            sums = self.namespace.shard_sums(mount, member.pack_key) if info.sums_id else None
+            known = (info, self._blocks(mount, info, policy), sums)
             if _rememberable(mount, policy, info, known[1]):
                 self._remember(self._containers, key, known, CONTAINER_CACHE)
         return known

@@ -59,7 +59,7 @@ class ReadAround:
             hi - lo
             for (n, index), span in absent.items()
             if (ref := reads[n][0].blocks) and (ref.oid, index) in fresh
-            for lo, hi in [chunk_span(reads[n][0].info, *span)]
+            for lo, hi in [span if reads[n][0].chunk_sums is None else chunk_span(reads[n][0].info.size, *span)]
         )
         with self._lock:
             for key, handle in missing.items():

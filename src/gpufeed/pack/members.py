@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 import xxhash
 
-from gpufeed.blocks import sums_length
+from gpufeed.blocks import sums_id, sums_length
 from gpufeed.meta.base import Entry
 from gpufeed.meta.manifest import usable_key
 from gpufeed.pack.index import Index
@@ -72,6 +72,7 @@ class MemberTable:
         self.shards = meta.shards
         self.files, self.bytes, self.skipped = meta.files, meta.bytes, meta.skipped
         self._shard_numbers = {key: n for n, key in enumerate(meta.shards)}
+        self._sums_ids: dict[str, str | None] = {}
 
     # -- building and storing -----------------------------------------------------------
 
@@ -176,13 +177,21 @@ class MemberTable:
 
     # -- what the engine answers --------------------------------------------------------
 
-    def chunk_sums(self, shard: str) -> bytes | None:
-        """The chunk sums the index lists for `shard` (a key), None when it lists none."""
+    def chunk_sums(self, shard: str) -> memoryview | None:
+        """The chunk sums the index lists for `shard` (a key), a view of the mapped table (no
+        copy: a process may hold thousands of shards); None when it lists none."""
         starts = self._a["chunk_starts"]
-        if not len(starts):
-            return None
         n = self._shard_numbers.get(shard)
-        return None if n is None else self._a["chunk_sums"][starts[n] : starts[n + 1]].tobytes()
+        if not len(starts) or n is None:
+            return None
+        return memoryview(self._a["chunk_sums"][int(starts[n]) : int(starts[n + 1])].data)
+
+    def sums_id(self, shard: str) -> str | None:
+        """What names `shard`'s chunk sums (`ObjectInfo.sums_id`), worked out once per shard."""
+        if shard not in self._sums_ids:
+            sums = self.chunk_sums(shard)
+            self._sums_ids[shard] = None if sums is None else sums_id(sums)
+        return self._sums_ids[shard]
 
     def __len__(self) -> int:
         return len(self._member)

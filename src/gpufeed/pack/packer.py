@@ -28,6 +28,7 @@ from gpufeed.pack.shards import SUMS_SUFFIX, ShardTask, sums_key, sums_size
 from gpufeed.pack.shards import run as shards_run
 from gpufeed.paths import FileStat, normalize
 from gpufeed.sources import Source, open_source
+from gpufeed.sources.stores import local_path
 
 
 @dataclass
@@ -79,7 +80,7 @@ def destination(url: str, options: dict[str, str], client: Client) -> Source:
     parts = urlsplit(url)
     if parts.scheme == "file":
         try:
-            Path(parts.path).mkdir(parents=True, exist_ok=True)
+            local_path(parts.path).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise PackError(f"{url}: cannot create the destination ({exc.strerror})") from None
     return open_source(url, options, client.settings)

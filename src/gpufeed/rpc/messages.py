@@ -43,6 +43,10 @@ class ObjectWant(msgspec.Struct):
     reads: list[int] = []
     """In a prefetch, how many of the job's coming reads need each of `blocks` (empty: one
     each): a pinned block is kept until that many are reported."""
+    sums: bytes = b""
+    """For an object whose listing names chunk sums (`ObjectInfo.sums_id`, a pack's shard): the
+    listed sums of each of `blocks`, in order, which the agent checks the fetched bytes against.
+    Only the wanted blocks' sums travel (128 bytes a 4 MiB block), never a whole shard's."""
 
 
 class Group(msgspec.Struct):

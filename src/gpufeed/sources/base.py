@@ -36,10 +36,11 @@ class ObjectInfo:
     hash of the whole object the manifest vouches for (`"sha256:<hex>"`, `"md5:<hex>"`), from
     a checksums file or `gpufeed verify`; None when nothing but the store vouches for it.
     `pack_key`, `pack_offset`, `pack_length`: where the object's bytes lie inside a pack
-    object of the same store (None when the object is stored on its own). `chunk_sums`: the
-    xxh3-64 of each 256 KiB chunk of the object (little-endian), as a gpufeed pack's index lists
-    them for its shards: every block fetched and every range read from the store is checked
-    against them (`blocks.check_chunks`); None when nothing lists them.
+    object of the same store (None when the object is stored on its own). `sums_id` names the
+    chunk sums (xxh3-64 of each 256 KiB, `blocks.chunk_sums`) a gpufeed pack's index lists for
+    one of its shards: their xxh3-128, which names the bytes as a content hash does. The sums
+    themselves stay with the reader's handle, and a request carries those of the blocks it asks
+    for (`ObjectWant.sums`); None when nothing lists them.
     """
 
     key: str
@@ -50,7 +51,7 @@ class ObjectInfo:
     pack_key: str | None = None
     pack_offset: int | None = None
     pack_length: int | None = None
-    chunk_sums: bytes | None = None
+    sums_id: str | None = None
 
     @property
     def version(self) -> str:

@@ -90,13 +90,19 @@ def _construct(
     return ObstoreSource(display_url, store, shown_endpoint, canonical, kind=kind, settings=settings)
 
 
+def local_path(url_path: str) -> Path:
+    """The directory a file URL's path names. gpufeed's own file URLs hold the path as it is
+    (`as_url`); one written the standard way (`Path.as_uri()`: a space as %20) is decoded where
+    only the decoded path exists."""
+    literal, decoded = Path(url_path), Path(unquote(url_path))
+    return decoded if not literal.exists() and decoded.exists() else literal
+
+
 def local_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
     if parts.netloc not in ("", "localhost"):
         raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
     _no_options(url, options)
-    root = Path(parts.path)
-    if not root.exists() and Path(unquote(parts.path)).exists():  # a standard URL (`Path.as_uri()`): percent-encoded
-        root = Path(unquote(parts.path))
+    root = local_path(parts.path)
     if not root.is_absolute():
         raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
     if root.is_file():
