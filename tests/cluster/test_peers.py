@@ -333,3 +333,20 @@ def test_a_packs_blocks_go_through_their_owners_checked_against_the_index_sums(
     shard_gets = re.findall(rf'"GET /{site.name}/\.gpufeed-pack/shards/\S+\.gfp ', nginx.access_log.read_text())
     blocks = -(-sum(60_000 + i for i in range(FILES)) // (256 << 10))
     assert blocks <= len(shard_gets) <= blocks + 2, "each block from the store once (shards may hold a little padding)"
+
+    # a shard damaged at rest: every node refuses the block, and no owner is taken for a broken peer
+    shard = next((site / ".gpufeed-pack" / "shards").glob("*.gfp"))
+    before = shard.stat()
+    with open(shard, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))  # the same nginx ETag: nothing but the sums can tell
+    for member in members:
+        AgentClient(member.settings()).clear()
+    for member in members:  # two of them ask the block's owner
+        done = subprocess.run([sys.executable, "-m", "gpufeed", "cat", "/packed/000.bin"], env=member.env(), capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 1 and "its pack index lists xxh3:" in done.stderr, done.stderr
+    assert all("is suspect" not in member.log.read_text() for member in members), "the owners are well; the shard is not"

@@ -7,7 +7,8 @@ store, and the HTTP API that answers it (HTTPS with mutual TLS when the node has
                      object a group, up to PEER_BATCH_BLOCKS)
       200  a frame per block as the owner has it (FRAME_HEADER): msgpack `PeerBlock`, its bytes
            and their xxh3-64, which the asker checks, or 404 (the owner cannot cache it: the
-           asker reads the store itself) or 502 (the store failed the owner)
+           asker reads the store itself) or 502 (the store failed the owner: the asker reads
+           the store itself too, and reports what it finds; the owner is not suspect)
       400 malformed, 401 wrong token, 413 over MAX_REQUEST
     POST /v1/warm    body: msgpack `PeerWarm` (blocks the peer owns, for a cluster warmup)
       200  msgpack `Fetched`: once every block is cached there, known uncached, or failed
@@ -342,8 +343,8 @@ class PeerBlocks:
                         raise msgspec.ValidationError(f"block {block.number} of a request for {len(batch)}")
                     job, index, length, wanted = batch[block.number]
                     data = block.data
-                    if block.status == 404:
-                        got = None
+                    if block.status in (404, 502):  # 502: the store failed the owner, which is well: this
+                        got = None  # node reads the store itself, and its read says what is wrong there
                     elif block.status != 200:
                         self.suspects.mark(node, f"{block.status} {data[:200].decode(errors='replace')}")
                         return
