@@ -80,6 +80,10 @@ def _list(settings: Settings, as_json: bool) -> None:
         out.print("no gpufeed mounts", highlight=False)
         return
     for m in mounts:
+        if m.state is None and m.alive:  # the kernel's table is the host's: another home's daemon serves it
+            out.print(f"{m.mountpoint}  {m.nspath}  alive  served for another GPUFEED_HOME (its state is there)",
+                      highlight=False, soft_wrap=True)
+            continue
         st = m.state or {}
         calls = st.get("calls") or {}
         assert isinstance(calls, dict)
