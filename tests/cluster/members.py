@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import os
 import re
 import signal
@@ -54,6 +55,18 @@ class Member:
         done = subprocess.run([sys.executable, "-c", code, *paths], env=self.env(), capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         return dict(line.split() for line in done.stdout.splitlines())
+
+
+def random_files(directory: Path, count: int, size: int, nspath: str) -> dict[str, str]:
+    """`count` files of random bytes (`size` + n bytes each) written into `directory` (made);
+    their paths under the namespace path `nspath`, to their sha256."""
+    directory.mkdir(parents=True, exist_ok=True)
+    digests = {}
+    for i in range(count):
+        body = os.urandom(size + i)
+        (directory / f"{i:03d}.bin").write_bytes(body)
+        digests[f"{nspath}/{i:03d}.bin"] = hashlib.sha256(body).hexdigest()
+    return digests
 
 
 def wait(condition, what: str, timeout: float = 20.0):  # type: ignore[no-untyped-def]

@@ -6,7 +6,6 @@ serves again once it is back."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import signal
@@ -25,6 +24,7 @@ from gpufeed.bench.children import free_port
 from gpufeed.bench.netns import Host, bridged_hosts
 from gpufeed.bench.shaper import shaping
 from gpufeed.namespace import Namespace
+from tests.cluster.members import random_files
 from tests.conftest import HttpServer
 
 TOKEN = "netns-cluster-token-0123456789"
@@ -128,12 +128,7 @@ def test_a_node_cut_off_mid_epoch_by_link_or_kill_is_skipped_and_comes_back(
 ) -> None:
     bridge, members = hosts
     site = nginx.root / f"hosts-{tmp_path.name}"
-    site.mkdir()
-    digests = {}
-    for i in range(FILES):
-        body = os.urandom(20_000 + i)
-        (site / f"{i:03d}.bin").write_bytes(body)
-        digests[f"/data/{i:03d}.bin"] = hashlib.sha256(body).hexdigest()
+    digests = random_files(site, FILES, 20_000, "/data")
     paths = sorted(digests)
     redis_port = free_port()
     redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", bridge, "--save", "", "--appendonly", "no",

@@ -30,7 +30,7 @@ from gpufeed.client.connection import AgentClient
 from gpufeed.cluster.membership import status
 from gpufeed.namespace import Namespace
 from gpufeed.rpc.messages import Metrics, MetricsText, PeerFetch
-from tests.cluster.members import TOKEN, Member, joined, wait
+from tests.cluster.members import TOKEN, Member, joined, random_files, wait
 from tests.cluster.tls import cluster_certificates
 from tests.conftest import HttpServer
 
@@ -48,12 +48,7 @@ def cluster(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.fixture
 def dataset(nginx: HttpServer, tmp_path: Path) -> tuple[list[str], dict[str, str], str]:
     site = nginx.root / f"cluster-{tmp_path.name}"
-    site.mkdir()
-    digests = {}
-    for i in range(FILES):
-        body = os.urandom(30_000 + i)
-        (site / f"{i:03d}.bin").write_bytes(body)
-        digests[f"/data/{i:03d}.bin"] = hashlib.sha256(body).hexdigest()
+    digests = random_files(site, FILES, 30_000, "/data")
     Namespace().add_mount("/data", f"{nginx.url}/{site.name}")
     return sorted(digests), digests, site.name
 
@@ -316,12 +311,7 @@ def test_a_packs_blocks_go_through_their_owners_checked_against_the_index_sums(
     every member reads right on every node, each block from the store once for the cluster."""
     _, members = cluster
     raw = tmp_path / "raw"
-    raw.mkdir()
-    digests = {}
-    for i in range(FILES):
-        body = os.urandom(60_000 + i)
-        (raw / f"{i:03d}.bin").write_bytes(body)
-        digests[f"/packed/{i:03d}.bin"] = hashlib.sha256(body).hexdigest()
+    digests = random_files(raw, FILES, 60_000, "/packed")
     site = nginx.root / f"packed-{tmp_path.name}"
     Namespace().add_mount("/raw", f"file://{raw}")
     subprocess.run([sys.executable, "-m", "gpufeed", "pack", "/raw", f"file://{site}", "-q"], check=True, timeout=120)
