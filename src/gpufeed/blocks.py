@@ -14,7 +14,7 @@ under this name is as damaged as a flipped bit: discarded and fetched again. Per
 a 100 KB read verify 100 KB, not 4 MiB.
 
 The same sums, taken over a whole object, are what a gpufeed pack's index lists for each shard
-(`ObjectInfo.chunk_sums`): a block of a multiple of CHUNK starts on a chunk of its object, so
+(`ObjectInfo.sums_id` names them): a block of a multiple of CHUNK starts on a chunk of its object, so
 the sums the agent computes to write its header are the ones to compare with the index's, and
 a shard's blocks are checked one by one, in the same pass, as they arrive.
 """
@@ -177,8 +177,9 @@ def sums_id(sums: bytes | memoryview) -> str:
 
 def sums_checked(info: ObjectInfo, block_size: int) -> bool:
     """Whether the object's blocks of `block_size` are checked against its listed chunk sums:
-    only blocks cut where chunks start are (the default 4 MiB is 16 chunks)."""
-    return info.sums_id is not None and block_size % CHUNK == 0
+    only blocks cut where chunks start are (the default 4 MiB is 16 chunks), and only where no
+    content hash checks the whole object instead (it names the blocks, and is the stronger check)."""
+    return info.sums_id is not None and not info.content_hash and block_size % CHUNK == 0
 
 
 def listed_sums(sums: bytes | memoryview, start: int, length: int) -> bytes:

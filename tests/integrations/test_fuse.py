@@ -337,7 +337,7 @@ def test_ls_lists_mounts_with_their_callbacks(tmp_path: Path, mountpoint: Path) 
     assert "release" not in calls, "closing a file calls no Python"
     assert not row["zero_open"], "a strict mount pins each open's version"
     listed = ok("fuse", "ls", env={"GPUFEED_HOME": str(tmp_path / "other-home")}).strip()
-    assert listed == f"{mountpoint}  /data  alive  served for another GPUFEED_HOME (its state is there)"
+    assert listed == f"{mountpoint}  /data  alive  no state in this GPUFEED_HOME (another home's mount, or starting)"
 
 
 def test_an_immutable_view_opens_files_without_a_callback_and_still_sees_a_refresh(tmp_path: Path, mountpoint: Path) -> None:

@@ -158,7 +158,9 @@ class Fetcher:
 
     def jobs(self, groups: list[Group]) -> list[Job]:
         """Every block a request names, after checking it. Identities are derived here, never
-        taken from a reader."""
+        taken from a reader, from what the reader says of the object: its version, content hash
+        or chunk sums' hash (`sums_id`, which the agent cannot check against the sums of the few
+        blocks it is sent; readers are this user's processes or token-holding peers)."""
         jobs: list[Job] = []
         number = 0
         for group in groups:

@@ -86,19 +86,19 @@ class PeerServer:
         await response.write_eof()
         return response
 
-    async def _ensure(self, number: int, job: Job) -> tuple[int, str]:
-        """(number, 'ok' | 'uncached' | why the store failed this node)."""
+    async def _ensure(self, number: int, job: Job) -> tuple[int, str | errors.GpufeedError]:
+        """(number, 'ok' | 'uncached' | the error the store's read failed with on this node)."""
         try:
             status, _ = await self.fetcher.ensure(job)
         except errors.GpufeedError as exc:
-            return number, f"error: {exc}"
+            return number, exc
         return number, status
 
-    def _frame(self, number: int, job: Job, status: str) -> tuple[bytes, int]:
+    def _frame(self, number: int, job: Job, status: str | errors.GpufeedError) -> tuple[bytes, int]:
         """The block's frame of the reply, and the bytes of it served; off the event loop, as
         it reads the block file."""
-        if status.startswith("error: "):
-            block = PeerBlock(number, 502, status.removeprefix("error: ").encode())
+        if isinstance(status, errors.GpufeedError):
+            block = PeerBlock(number, 502, str(status).encode(), code=status.code)
         else:
             try:
                 if status != "ok":

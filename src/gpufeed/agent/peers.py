@@ -7,8 +7,9 @@ store, and the HTTP API that answers it (HTTPS with mutual TLS when the node has
                      object a group, up to PEER_BATCH_BLOCKS)
       200  a frame per block as the owner has it (FRAME_HEADER): msgpack `PeerBlock`, its bytes
            and their xxh3-64, which the asker checks, or 404 (the owner cannot cache it: the
-           asker reads the store itself) or 502 (the store failed the owner: the asker reads
-           the store itself too, and reports what it finds; the owner is not suspect)
+           asker reads the store itself) or 502 (the store failed the owner; where the store's
+           verdict is on the object itself, gone, changed or corrupted, the asker reads the store
+           too and reports what it finds, and the owner is not suspect)
       400 malformed, 401 wrong token, 413 over MAX_REQUEST
     POST /v1/warm    body: msgpack `PeerWarm` (blocks the peer owns, for a cluster warmup)
       200  msgpack `Fetched`: once every block is cached there, known uncached, or failed
@@ -175,6 +176,9 @@ def _peer_socket(addr: tuple[int, int, int, str, Any]) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(UNACKED_S * 1000))
     return sock
 
+
+STORE_VERDICTS = frozenset({errors.ObjectMissing.code, errors.ObjectChanged.code, errors.ObjectCorrupted.code})
+"""Codes of an owner's 502 that speak of the object, not of the owner: it stays trusted."""
 
 Wanted = tuple["Job", int, int, "asyncio.Future[memoryview | None]"]
 """A block asked of a peer: its job, index and length, and where its bytes go."""
@@ -343,8 +347,8 @@ class PeerBlocks:
                         raise msgspec.ValidationError(f"block {block.number} of a request for {len(batch)}")
                     job, index, length, wanted = batch[block.number]
                     data = block.data
-                    if block.status in (404, 502):  # 502: the store failed the owner, which is well: this
-                        got = None  # node reads the store itself, and its read says what is wrong there
+                    if block.status == 404 or (block.status == 502 and block.code in STORE_VERDICTS):
+                        got = None  # this node reads the store itself; its own read says what is wrong there
                     elif block.status != 200:
                         self.suspects.mark(node, f"{block.status} {data[:200].decode(errors='replace')}")
                         return

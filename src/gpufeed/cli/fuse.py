@@ -81,7 +81,7 @@ def _list(settings: Settings, as_json: bool) -> None:
         return
     for m in mounts:
         if m.state is None and m.alive:  # the kernel's table is the host's: another home's daemon serves it
-            out.print(f"{m.mountpoint}  {m.nspath}  alive  served for another GPUFEED_HOME (its state is there)",
+            out.print(f"{m.mountpoint}  {m.nspath}  alive  no state in this GPUFEED_HOME (another home's mount, or starting)",
                       highlight=False, soft_wrap=True)
             continue
         st = m.state or {}

@@ -21,9 +21,9 @@ from gpufeed.paths import since_listed
 from gpufeed.sources.base import obstore_unusable
 
 DIRECT_CONCURRENCY = 64
+"""Ranged GETs one batch keeps in flight when it reads from the source itself."""
 MERGED_MAX = 4 << 20
 """The longest read of a shard's whole chunks that several ranges of one batch share."""
-"""Ranged GETs one batch keeps in flight when it reads from the source itself."""
 
 AgentRanges = Callable[[list[tuple[ObjectHandle, int, int]]], list[memoryview]]
 """Ranges the agent reads for this process (`AgentFetches.ranges`)."""
@@ -138,7 +138,7 @@ def _chunk_spans(
     """Reads of whole chunks of one shard covering the ranges `wanted` (start, end, key, handle),
     added to `reads` and `cuts`: ranges whose chunks overlap or touch share one read of at most
     MERGED_MAX bytes (forty 100 KB members in a row are one read of 4 MiB, not forty of 256 to 512
-    KiB). Returns the reads made."""
+    KiB), or of a longer range's chunks that hold them. Returns the reads made."""
     made: list[object] = []
     span: tuple[int, int] | None = None
     members: list[tuple[int, int, tuple[int, int]]] = []
@@ -153,7 +153,7 @@ def _chunk_spans(
 
     for start, end, key, handle in sorted(wanted, key=lambda w: w[0]):
         lo, hi = chunk_span(handle.info.size, start, end)
-        if span is not None and lo <= span[1] and max(hi, span[1]) - span[0] <= MERGED_MAX:
+        if span is not None and lo <= span[1] and (hi <= span[1] or hi - span[0] <= MERGED_MAX):
             span = (span[0], max(hi, span[1]))
         else:
             close()

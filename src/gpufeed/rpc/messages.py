@@ -338,6 +338,9 @@ class PeerBlock(msgspec.Struct, array_like=True):
     status: int
     data: bytes
     xxh3: str = ""
+    code: str = ""
+    """With 502: the error's code (`errors.GpufeedError.code`), so the asker can tell the store's
+    verdict on the object (missing, changed, corrupted) from the owner's own trouble."""
 
 
 class PeerWarm(msgspec.Struct, tag="peer_warm"):
