@@ -429,6 +429,9 @@ def test_a_damaged_shard_fails_its_members_in_one_line_and_caches_nothing(nginx:
     off = failures("/off")
     assert set(off) == in_chunk
     assert all(error.startswith(f"/off/{key}: ") and "its pack index lists" in error for key, error in off.items())
+    with pytest.raises(ObjectCorrupted) as caught:  # one batch sharing reads of chunks: it names a file of the bad one
+        gpufeed.client().read_files([f"/off/{key}" for key in sorted(in_shard)])
+    assert str(caught.value).split(": ", 1)[0] in {f"/off/{key}" for key in in_chunk}, str(caught.value)
 
 
 def test_an_http_directory_without_a_pack_mounted_as_one_is_one_line(nginx: HttpServer, site: Site, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 
 from gpufeed.aio import run_blocking
-from gpufeed.blocks import WHOLE_OBJECT_MAX, check_chunks, chunk_span
+from gpufeed.blocks import CHUNK, WHOLE_OBJECT_MAX, ChunkMismatch, check_chunks, chunk_span, mismatch
 from gpufeed.client.connection import AgentUnavailable
 from gpufeed.client.handles import ObjectHandle
 from gpufeed.errors import ObjectChanged, ObjectCorrupted, ObjectMissing
@@ -70,13 +70,16 @@ class DirectReads:
             handle, lo, hi = reads[read]
             assert handle.chunk_sums is not None
             try:
-                check_chunks(handle.info, handle.chunk_sums, lo, got[read])
-            except ObjectCorrupted:  # read once more, as the agent does: a flip in transit passes
+                check_chunks(handle.chunk_sums, lo, got[read])
+            except ChunkMismatch:  # read once more, as the agent does: a flip in transit passes
                 got[read] = self._ranges({read: (handle, lo, hi)})[read]
                 try:
-                    check_chunks(handle.info, handle.chunk_sums, lo, got[read])
-                except ObjectCorrupted as exc:
-                    raise ObjectCorrupted(f"{handle.path}: {exc}") from None
+                    check_chunks(handle.chunk_sums, lo, got[read])
+                except ChunkMismatch as exc:
+                    # name a file that lies in the failing chunk, of those sharing the read
+                    at = exc.chunk * CHUNK
+                    hit = (ranges[k][0].path for k, (r, s, e) in cuts.items() if r == read and s < at + CHUNK and e > at)
+                    raise ObjectCorrupted(f"{next(hit, handle.path)}: {mismatch(handle.info, lo, exc)}") from None
         return {key: got[read][lo:hi] for key, (read, lo, hi) in cuts.items()}
 
     def _ranges(self, ranges: dict[object, tuple[ObjectHandle, int, int]]) -> dict[object, memoryview]:
