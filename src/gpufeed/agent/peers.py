@@ -330,9 +330,8 @@ class PeerBlocks:
         for job, index, _, _ in batch:
             assert job.group is not None
             want = job.want
-            sums = job.listed if job.listed is not None and index == job.index else b""
-            groups.append(Group(job.group.source, [ObjectWant(want.info, want.check, want.block_size, [index], sums=sums)],
-                                job.group.credentials, job.group.mount))
+            asked = ObjectWant(want.info, want.check, want.block_size, [index], sums=job.listed or b"")
+            groups.append(Group(job.group.source, [asked], job.group.credentials, job.group.mount))
         try:
             async with self.session.post(
                 f"{self.scheme}://{node.address}/v1/blocks", data=encoder.encode(PeerFetch(groups)), headers=self.headers

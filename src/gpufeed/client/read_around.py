@@ -55,11 +55,9 @@ class ReadAround:
             if index not in repairs and handle.info.content_hash is None  # such blocks are cached only once checked whole
         }
         block_bytes = sum(_length(missing[key], key[1]) for key in fresh)
-        wanted_bytes = sum(  # a shard's ranges are read as the whole chunks their sums check
-            hi - lo
-            for (n, index), span in absent.items()
+        wanted_bytes = sum(
+            _read_bytes(reads[n][0], *span) for (n, index), span in absent.items()
             if (ref := reads[n][0].blocks) and (ref.oid, index) in fresh
-            for lo, hi in [span if reads[n][0].chunk_sums is None else chunk_span(reads[n][0].info.size, *span)]
         )
         with self._lock:
             for key, handle in missing.items():
@@ -74,6 +72,13 @@ class ReadAround:
                 return set()
             self.around_bytes += wanted_bytes
         return fresh
+
+
+def _read_bytes(handle: ObjectHandle, start: int, end: int) -> int:
+    """Bytes a read around of [start, end) takes: a shard's ranges are read as the whole chunks
+    their listed sums check."""
+    lo, hi = (start, end) if handle.chunk_sums is None else chunk_span(handle.info.size, start, end)
+    return hi - lo
 
 
 def _length(handle: ObjectHandle, index: int) -> int:

@@ -59,7 +59,7 @@ SUMS_SUFFIX = ".sums"
 
 
 def sums_key(shard_key: str) -> str:
-    """Where a shard's sums are stored (`shard_sums`), written after the shard: a rerun keeps a
+    """Where a shard's sums are stored (`sums_size`), written after the shard: a rerun keeps a
     shard only when they are there."""
     return f"{shard_key}{SUMS_SUFFIX}"
 
