@@ -86,6 +86,8 @@ def test_unreachable_endpoint_fails_within_timeout(
         Namespace().add_mount("/remote", url, options)
     assert time.monotonic() - started < 30, "an unreachable endpoint must fail, not hang"
     assert endpoint.removeprefix("http://") in str(caught.value)
+    if server == "refused":
+        assert str(caught.value).endswith("(Connection refused)"), "the system's words, not the client library's"
     assert Namespace().mounts() == []
 
 
@@ -191,6 +193,35 @@ def test_missing_local_directory(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_bytes(b"a")
     with pytest.raises(InvalidArgument, match=f"a.txt: is a file; a mount's source is a directory \\(file://{tmp_path}\\)"):
         Namespace().add_mount("/data", f"file://{tmp_path}/a.txt")
+
+
+def test_a_file_name_the_listing_cannot_take_is_named_whole_on_one_line(tmp_path: Path) -> None:
+    (tmp_path / "ok.bin").write_bytes(b"x")
+    (tmp_path / "new\nline.bin").write_bytes(b"x")
+    with pytest.raises(SourceError) as caught:
+        Namespace().add_mount("/data", f"file://{tmp_path}")
+    message = str(caught.value)
+    assert "\n" not in message and '"/new\\nline.bin"' in message and "rename that file" in message, message
+    assert Namespace().mounts() == []
+
+
+def test_a_local_mount_whose_directory_is_gone_still_serves_what_the_cache_holds(tmp_path: Path) -> None:
+    """An NFS export down, a dataset moved: the cached files read as before; one that must reach
+    the directory names the directory, not a deleted file; a refresh refuses and keeps the mount."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "cached.bin").write_bytes(b"c" * 5000)
+    (src / "not-cached.bin").write_bytes(b"n" * 5000)
+    Namespace().add_mount("/data", f"file://{src}")
+    assert gpufeed.read("/data/cached.bin") == b"c" * 5000
+    src.rename(tmp_path / "away")
+    assert gpufeed.read("/data/cached.bin") == b"c" * 5000
+    with pytest.raises(PathNotFound, match=f"file://{src}: no such directory"):
+        gpufeed.read("/data/not-cached.bin")
+    with pytest.raises(PathNotFound, match=f"file://{src}: no such directory"):
+        Namespace().refresh("/data")
+    (tmp_path / "away").rename(src)
+    assert gpufeed.read("/data/not-cached.bin") == b"n" * 5000
 
 
 def test_a_percent_encoded_file_url_names_its_directory_and_a_literal_percent_still_works(tmp_path: Path) -> None:

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 from typing import Any
 
+from obstore import exceptions as obx
+from obstore.store import LocalStore
+
 from gpufeed.config import Settings
-from gpufeed.errors import ObjectChanged, ObjectMissing
+from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing, PathNotFound
 from gpufeed.sources import retry
 from gpufeed.sources.base import ObjectInfo
 from gpufeed.sources.objstore import ObstoreSource
@@ -28,9 +32,37 @@ time is later than that by more than this was written since it was listed."""
 class LocalSource(ObstoreSource):
     """`ObstoreSource` over obstore's LocalStore rooted at `root`."""
 
-    def __init__(self, url: str, store: Any, options: dict[str, str] | None = None, *, settings: Settings | None = None) -> None:
-        super().__init__(url, store, None, options, kind="file", settings=settings)
-        self.root = str(store.prefix)
+    _store: LocalStore | None
+
+    def __init__(self, url: str, root: Path, options: dict[str, str] | None = None, *, settings: Settings | None = None) -> None:
+        super().__init__(url, None, None, options, kind="file", settings=settings)
+        self.root = os.path.realpath(root)
+
+    @property
+    def store(self) -> Any:
+        """obstore's LocalStore, made at the first listing, head or write: it needs the directory
+        to exist, and a source whose directory is gone for a while (an NFS export down) still
+        serves every block the cache holds; only what must reach the directory fails."""
+        if self._store is None:
+            if not os.path.isdir(self.root):
+                raise PathNotFound(f"{self.url}: no such directory")
+            try:
+                self._store = LocalStore(prefix=self.root)
+            except (obx.GenericError, ValueError) as exc:
+                raise InvalidArgument(f"{self.url}: invalid store configuration ({exc})") from exc
+        return self._store
+
+    @store.setter
+    def store(self, store: Any) -> None:
+        self._store = store
+
+    def translate(self, exc: Exception, key: str = "") -> Exception:
+        """An object missing because its whole directory is (an unmounted export, a moved dataset)
+        says so, rather than that the object was deleted."""
+        missing = isinstance(exc, FileNotFoundError | obx.NotFoundError) and not os.path.isdir(self.root)
+        if missing or isinstance(exc, PathNotFound):
+            return PathNotFound(f"{self.url}: no such directory")
+        return super().translate(exc, key)
 
     def get_range(
         self, key: str, start: int, end: int, expect: ObjectInfo | None = None, *, conditional: bool = True

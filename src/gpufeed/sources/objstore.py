@@ -62,6 +62,7 @@ _SERVER_ERROR = re.compile(r"status code: 5\d\d|<Code>(SlowDown|InternalError|Se
 _BODY_ERRORS = ("response body", "error decoding", "invalid list response", "connection reset", "unexpected eof")
 _AUTH_CODES = ("403 Forbidden", "401 Unauthorized", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied")
 _MD5_HEX = re.compile(r"[0-9a-fA-F]{32}")
+_OS_MESSAGE = re.compile(r'(?:message|error): "([^"]+)"')
 
 
 def _first_line(exc: BaseException) -> str:
@@ -75,6 +76,14 @@ def _first_line(exc: BaseException) -> str:
         parts = [status.group(1) if status else "", code.group(1), message.group(1) if message else ""]
         return ": ".join(p for p in parts if p)
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _unreachable_why(exc: BaseException, message: str) -> str:
+    """The system's words for a connection failure ("Connection refused", "failed to lookup
+    address information: Name or service not known"), which obstore keeps deep in its debug
+    dump, rather than its own ("error sending request"); its first line when there are none."""
+    os_error = _OS_MESSAGE.search(str(exc))
+    return os_error.group(1) if os_error else message
 
 
 def _is_connection_failure(message: str) -> bool:
@@ -134,6 +143,9 @@ class ObstoreSource:
             return SourceAuthError(f"{where}: access denied ({message})")
         if isinstance(exc, obx.UnknownConfigurationKeyError):
             return InvalidArgument(f"{where}: {message}")
+        if isinstance(exc, obx.InvalidPathError):  # a name with a newline or bytes that are not UTF-8: shown whole, escaped
+            name = str(exc).partition("\n\nDebug source:")[0].replace("\n", "\\n")
+            return SourceError(f"{where}: {name} (rename that file, or mount a directory without it)")
         if isinstance(exc, obx.NotSupportedError) and "Range request not supported" in message:
             return SourceError(
                 f"{where}: the server ignores Range requests, so only whole files can be read from it "
@@ -141,7 +153,7 @@ class ObstoreSource:
                 "them (nginx, any object store)"
             )
         if _is_connection_failure(message) or isinstance(exc, (ConnectionError, TimeoutError)):
-            return SourceUnreachable(f"{where}: cannot reach the store ({message})")
+            return SourceUnreachable(f"{where}: cannot reach the store ({_unreachable_why(exc, message)})")
         if any(code in message for code in _AUTH_CODES):
             return SourceAuthError(f"{where}: access denied ({message})")
         return SourceError(f"{where}: {message}")

@@ -16,10 +16,10 @@ from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 import obstore
 from obstore import exceptions as obx
-from obstore.store import AzureStore, GCSStore, LocalStore, S3Store
+from obstore.store import AzureStore, GCSStore, S3Store
 
 from gpufeed.config import Settings
-from gpufeed.errors import GpufeedError, InvalidArgument, PathNotFound
+from gpufeed.errors import GpufeedError, InvalidArgument
 from gpufeed.sources import open_source
 from gpufeed.sources.base import parse_bool
 from gpufeed.sources.local import LocalSource
@@ -107,13 +107,7 @@ def local_source(url: str, parts: SplitResult, options: dict[str, str], settings
         raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
     if root.is_file():
         raise InvalidArgument(f"{url}: is a file; a mount's source is a directory (file://{root.parent})")
-    if not root.is_dir():
-        raise PathNotFound(f"{url}: no such directory")
-    try:
-        store = LocalStore(prefix=root)
-    except (obx.GenericError, ValueError) as exc:
-        raise InvalidArgument(f"{url}: invalid store configuration ({exc})") from exc
-    return LocalSource(f"file://{root}", store, settings=settings)
+    return LocalSource(f"file://{root}", root, settings=settings)
 
 
 def s3_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
