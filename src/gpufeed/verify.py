@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from gpufeed.errors import ObjectCorrupted
+from gpufeed.errors import ObjectChanged, ObjectCorrupted, ObjectMissing
 from gpufeed.sources.base import ObjectInfo
 
 if TYPE_CHECKING:
@@ -28,6 +28,9 @@ BATCH_FILES = 256
 CHUNK = 16 << 20
 RECORD_EVERY = 1000
 """Hashes are written to the manifest this many at a time, so a stopped verify keeps most."""
+FILE_FAILURES = (ObjectCorrupted, ObjectChanged, ObjectMissing)
+"""What fails one file's read (damaged bytes; changed or deleted at the source since listed):
+reported among the mismatches, and the other files still checked."""
 
 
 @dataclass(frozen=True)
@@ -119,15 +122,15 @@ def verify(client: Client, target: Listed, progress: Callable[[Verified], None] 
 
     def one(item: FileStat) -> None:
         hasher = hashlib.new(_algorithm(item))
-        handle = client.handle(item.path)
         try:
+            handle = client.handle(item.path)
             for start in range(0, handle.size, CHUNK):
                 end = min(handle.size, start + CHUNK)
                 if item.content_hash is None:
                     hasher.update(client.read_uncached([(handle, start, end)])[0])
                 else:
                     hasher.update(client.read_range(handle, start, end))
-        except ObjectCorrupted as exc:
+        except FILE_FAILURES as exc:
             done.mismatches.append(Mismatch(item.path, item.content_hash or "-", None, str(exc)))
             done.files += 1
             progress(done)
@@ -135,17 +138,27 @@ def verify(client: Client, target: Listed, progress: Callable[[Verified], None] 
         check(item, hasher.hexdigest(), handle.listed)
 
     def batch(items: list[FileStat]) -> None:
-        handles = client.handle_many([item.path for item in items])
+        try:
+            handles = client.handle_many([item.path for item in items])
+        except FILE_FAILURES:  # a version check found one changed: each alone names which
+            for item in items:
+                one(item)
+            return
         hashed = [n for n, item in enumerate(items) if item.content_hash is not None]
         unhashed = [n for n, item in enumerate(items) if item.content_hash is None]
         views: dict[int, memoryview] = {}
         try:
             got = client.read_many([(handles[n], 0, handles[n].size) for n in hashed])
             views.update(zip(hashed, got, strict=True))
-        except ObjectCorrupted:
+        except FILE_FAILURES:
             for n in hashed:  # find which one, read alone
                 one(items[n])
-        views.update(zip(unhashed, client.read_uncached([(handles[n], 0, handles[n].size) for n in unhashed]), strict=True))
+        try:
+            got = client.read_uncached([(handles[n], 0, handles[n].size) for n in unhashed])
+            views.update(zip(unhashed, got, strict=True))
+        except FILE_FAILURES:
+            for n in unhashed:
+                one(items[n])
         for n, view in views.items():
             check(items[n], hashlib.new(_algorithm(items[n]), view).hexdigest(), handles[n].listed)
 

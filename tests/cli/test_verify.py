@@ -42,6 +42,20 @@ def test_verify_reports_each_mismatch_and_exits_1(dataset: Path, tmp_path: Path)
     assert "1 hash recorded, 1 matched, 1 mismatched" in result.stdout
 
 
+def test_files_changed_or_deleted_at_the_source_are_reported_and_the_rest_still_checked(dataset: Path) -> None:
+    ok("mount", "add", "/data", f"file://{dataset}")
+    (dataset / "train/cats/1.jpg").write_bytes(b"a new version, another size")
+    (dataset / "train/dogs/2.jpg").unlink()
+    result = gpufeed("verify", "/data/train")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    failed = sorted(line for line in result.stderr.splitlines() if line.startswith("gpufeed: mismatch: "))
+    assert len(failed) == 2, result.stderr
+    assert "/data/train/cats/1.jpg: recorded -; the read failed: " in failed[0] and "changed at the source" in failed[0]
+    assert "/data/train/dogs/2.jpg: recorded -; the read failed: " in failed[1] and "deleted at the source" in failed[1]
+    assert "4 hashes recorded, 0 matched, 2 mismatched" in result.stdout, result.stdout
+    assert Namespace().stat("/data/train/dogs/0.jpg").content_hash == f"sha256:{sha256(dataset / 'train/dogs/0.jpg')}"
+
+
 def test_malformed_checksums_line_is_one_line_and_records_nothing(dataset: Path, tmp_path: Path) -> None:
     sums = tmp_path / "SUMS"
     sums.write_text(f"{'0' * 64}  README\nnot a checksum line\n")
