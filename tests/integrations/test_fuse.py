@@ -514,3 +514,14 @@ def test_an_open_file_whose_state_was_dropped_reads_its_version_or_fails(tmp_pat
     third = SimpleNamespace(flags=os.O_RDONLY, fh=0, keep_cache=0)
     operations.open("/a.bin", third)
     assert bytes(operations.read("/a.bin", 4096, 0, third)) == b"A" * 2000
+
+
+def test_removing_a_mount_a_view_serves_is_refused_unless_forced(tmp_path: Path, mountpoint: Path) -> None:
+    make_files(tmp_path / "src", 2, 100)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    mount(mountpoint, "/data", "--no-warmup")
+    refused = fails(1, "mount", "rm", "/data")
+    assert f"/data: gpufeed fuse serves it at {mountpoint}; stop that first" in refused
+    assert sorted(os.listdir(mountpoint)) == ["00000.bin", "00001.bin"], "the view still shows the mount's files"
+    assert "removed mount /data" in ok("mount", "rm", "/data", "--force")
+    assert "no such mount" in fails(1, "mount", "rm", "/data")

@@ -10,6 +10,7 @@ from gpufeed.cli.console import command_group, counted, human_bytes, out, print_
 from gpufeed.cli.progress import Meter
 
 if TYPE_CHECKING:  # the namespace and its engines are imported by the command that runs
+    from gpufeed.config import Settings
     from gpufeed.meta import Mount
     from gpufeed.meta.manifest import ManifestStats
 
@@ -53,7 +54,7 @@ def add(
         "reads its current version. An open file keeps the version it opened with, as in strict mode.",
     ),
     listing: str | None = typer.Option(
-        None, "--list", help="http(s) only: file listing 'KEY [SIZE]' per line (KEY<tab>SIZE for a key with spaces)."
+        None, "--list", help="http(s) only: file listing 'KEY [SIZE]' per line (KEY, a tab, SIZE for a key with spaces)."
     ),
     checksums: str | None = typer.Option(
         None,
@@ -128,12 +129,33 @@ def ls(as_json: bool = typer.Option(False, "--json", help="One JSON array of mou
 
 
 @app.command("rm")
-def rm(nspath: str = typer.Argument(..., help="Mount path to remove.")) -> None:
-    """Unmount a path and drop its manifest (the source is untouched)."""
+def rm(
+    nspath: str = typer.Argument(..., help="Mount path to remove."),
+    force: bool = typer.Option(False, "--force", help="Remove it even while a gpufeed fuse view of it is served."),
+) -> None:
+    """Unmount a path and drop its manifest (the source is untouched). Refused while this home's
+    `gpufeed fuse` serves a view of it, whose files would vanish under its readers."""
     from gpufeed.namespace import Namespace
 
-    mount = Namespace().remove_mount(nspath)
+    namespace = Namespace()
+    mount = namespace.mount(nspath)
+    if not force:
+        _refuse_if_served(namespace.settings, mount.path)
+    mount = namespace.remove_mount(mount.path)
     out.print(f"removed mount {mount.path} ({mount.url})", highlight=False)
+
+
+def _refuse_if_served(settings: Settings, path: str) -> None:
+    from gpufeed.errors import MountConflict
+    from gpufeed.integrations.fuse_mounts import live
+
+    for view in live(settings):
+        inside = f"{path}/".startswith(f"{view.nspath.rstrip('/')}/") or view.nspath.startswith(f"{path}/")
+        if inside and view.state is not None and view.alive:  # a state file here: this home's daemon
+            raise MountConflict(
+                f"{path}: gpufeed fuse serves it at {view.mountpoint}; stop that first "
+                f"('gpufeed fuse stop {view.mountpoint}'), or remove the mount anyway with --force"
+            )
 
 
 @app.command("refresh")

@@ -447,6 +447,7 @@ def serve(mountpoint: Path, nspath: str, *, warmup: bool = True, read_ahead: boo
         raise GpufeedError(f"{nspath}: is a file; mount a directory of the namespace")
     state = MountState(str(mountpoint), nspath, os.getpid(), time.time(), warmup, read_ahead, _immutable_view(client, nspath))
     operations = FeedOperations(client, nspath, state)
+    operations.write_state()  # before the mount is seen: `mount rm` tells this home's views by it
     try:
         _FeedFUSE(
             operations,
