@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.cli.test_cli import fails, ok
+from tests.cli.test_cli import fails, gpufeed, ok
 
 
 def test_agent_lifecycle_and_cache_commands(dataset: Path, gpufeed_home: Path) -> None:
@@ -14,7 +14,8 @@ def test_agent_lifecycle_and_cache_commands(dataset: Path, gpufeed_home: Path) -
     started = ok("agent", "start")
     assert f"serving {gpufeed_home / 'cache'}" in started
     assert "already serves" in ok("agent", "start")
-    assert "0 blocks" in ok("agent", "status")
+    status = ok("agent", "status")
+    assert "0 blocks" in status and "0 clients" in status, "not counting its own connection"
     ok("mount", "add", "/data", f"file://{dataset}")
     assert ok("cat", "/data/README") == "readme\n"
     ok("cat", "/data/README")
@@ -47,3 +48,16 @@ def test_a_second_foreground_agent_is_refused(gpufeed_home: Path) -> None:
 
 def test_bad_cache_size_is_one_line() -> None:
     assert "expected a size such as 4MiB" in fails(2, "agent", "--cache-size", "lots", "status")
+
+
+def test_an_agent_started_for_other_dirs_says_how_readers_reach_it(gpufeed_home: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other-cache"
+    started = gpufeed("agent", "start", "--cache-dir", str(other))
+    assert started.returncode == 0 and f"serving {other}" in started.stdout
+    assert f"readers here use the agent of {gpufeed_home / 'cache'}, not this one; set GPUFEED_CACHE_DIRS={other}" in (
+        started.stderr
+    )
+    assert "stopped agent" in ok("agent", "stop", env={"GPUFEED_CACHE_DIRS": str(other)})
+    plain = gpufeed("agent", "start")
+    assert plain.returncode == 0 and plain.stderr == "", "the readers' own agent: no note"
+    ok("agent", "stop")

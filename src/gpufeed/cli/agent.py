@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpufeed.cli.console import command_group, counted, human_bytes, out
+from gpufeed.cli.console import command_group, counted, err, human_bytes, out
 from gpufeed.config import Settings, parse_addr, parse_log_format, parse_size, with_cluster_flags
 from gpufeed.errors import GpufeedError
 
@@ -175,6 +175,13 @@ def start(
         host, port = parse_addr(settings.metrics_addr)
         where = f"; metrics on http://{host}:{port}/metrics"
     out.print(_serving(agent.stats(start=False)) + where, highlight=False, soft_wrap=True)
+    readers = Settings.from_env().cache_dirs[0]
+    if settings.cache_dirs[0] != readers:  # an agent is found by its first dir: readers would start their own
+        dirs = ":".join(str(d) for d in settings.cache_dirs)
+        err.print(
+            f"note: readers here use the agent of {readers}, not this one; set GPUFEED_CACHE_DIRS={dirs} "
+            "for them (and for 'gpufeed agent stop') to use it"
+        )
 
 
 @app.command()
@@ -202,7 +209,7 @@ def status(ctx: typer.Context, cache_dir: list[Path] = DirsOption) -> None:
     info = AgentClient(settings).stats()
     out.print(
         f"{_serving(info)}: {counted(info.blocks, 'block')}, {human_bytes(info.bytes)} of {human_bytes(info.limit)}, "
-        f"{counted(info.clients, 'client')}, up {info.uptime_s:.0f} s",
+        f"{counted(info.clients - 1, 'client')}, up {info.uptime_s:.0f} s",  # not this command's own connection
         highlight=False,
         soft_wrap=True,
     )
