@@ -108,9 +108,6 @@ class Namespace:
             raise InvalidArgument("--immutable and --max-age exclude each other")
         if max_age is not None and not (math.isfinite(max_age) and max_age >= 0):
             raise InvalidArgument(f"--max-age {max_age}: must be a number of seconds >= 0")
-        for other in self.mounts(fresh=True):
-            if path == other.path or path.startswith(other.path + "/") or other.path.startswith(path + "/"):
-                raise MountConflict(f"cannot mount {url} at {path}: it overlaps the mount {other.path} ({other.url})")
         options = {**(options or {}), **({"writable": "true"} if writable else {})}
         mount = Mount(path, url, options, immutable=immutable, max_age=max_age)
         CachePolicy.of(mount, self.settings)
@@ -120,6 +117,14 @@ class Namespace:
             raise InvalidArgument(f"{url}: an HTTP source cannot be written (--writable needs file, s3, gs or az)")
         hashes = parse_checksums(checksums) if checksums is not None else None
         source = open_source(url, source_options(mount), self.settings)
+        for other in self.mounts(fresh=True):  # after the URL's own checks, which name a typo in it
+            if path == other.path:
+                raise MountConflict(
+                    f"{path} is already a mount ({other.url}); 'gpufeed mount refresh {path}' lists it again, "
+                    f"'gpufeed mount rm {path}' removes it"
+                )
+            if path.startswith(other.path + "/") or other.path.startswith(path + "/"):
+                raise MountConflict(f"cannot mount {url} at {path}: it overlaps the mount {other.path} ({other.url})")
         from gpufeed.pack import mounting
 
         fmt = mounting.detect(source, mount.options.get("format", "auto"))

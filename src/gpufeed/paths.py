@@ -66,11 +66,23 @@ def normalize(path: str) -> str:
         raise InvalidArgument(f"{path!r}: namespace paths are absolute, e.g. /data/train/0001.jpg")
     if "\0" in path:
         raise InvalidArgument(f"{path!r}: path contains a NUL byte")
+    if not path.isascii():
+        try:
+            path.encode()
+        except UnicodeEncodeError:  # a name the shell passed as bytes that are not UTF-8
+            shown = path.encode(errors="surrogateescape").decode(errors="backslashreplace")
+            raise InvalidArgument(f"{shown}: not valid UTF-8; namespace paths, like object keys, are UTF-8 text") from None
     clean = posixpath.normpath(path)
     return "/" + clean.lstrip("/")
 
 
+_SAID = (": the object changed at the source since it was listed", ": not found at the source")
+"""What a source's own error says that `since_listed` says already."""
+
+
 def since_listed(path: str, what: str, mount: str, detail: str) -> str:
     """The one-line error for an object `what` ("deleted", "changed") under the manifest of
-    `mount`, with the way out."""
+    `mount`, with the way out; `detail` is the source's error about it."""
+    for said in _SAID:
+        detail = detail.replace(said, "")
     return f"{path}: {what} at the source since mount {mount} was listed ({detail}); run 'gpufeed mount refresh {mount}'"

@@ -88,10 +88,16 @@ def test_errors_are_one_line_with_exit_codes(dataset: Path, bucket: Bucket, moto
     assert "/data/nope: no such file in mount /data" in fails(1, "stat", "/data/nope")
     assert "/elsewhere/x: no mount contains" in fails(1, "cat", "/elsewhere/x")
     assert "/etc/passwd: no mount contains" in fails(1, "cat", "/data/../../etc/passwd")
-    assert "/s3/gone.bin: deleted at the source" in fails(1, "cat", "/s3/gone.bin")
+    assert "/data/\\xff: not valid UTF-8" in fails(2, "ls", "/data/\udcff")  # the byte 0xff, as a shell passes it
+    assert "/\\xff: not valid UTF-8" in fails(2, "mount", "add", "/\udcff", f"file://{dataset}")
+    gone = fails(1, "cat", "/s3/gone.bin")
+    assert "/s3/gone.bin: deleted at the source since mount /s3 was listed (s3://" in gone
+    assert "not found" not in gone, "said once"
     assert "unsupported URL scheme 'ftp'" in fails(2, "mount", "add", "/f", "ftp://host/x")
     assert "--opt 'endpoint': expected key=value" in fails(2, "mount", "add", "/b", "s3://b", "--opt", "endpoint")
     assert "overlaps the mount /data" in fails(1, "mount", "add", "/data/sub", f"file://{dataset}")
+    assert "/data is already a mount (file://" in fails(1, "mount", "add", "/data", f"file://{dataset}")
+    assert "unsupported URL scheme 'fille'" in fails(2, "mount", "add", "/data", f"fille://{dataset}"), "the typo, not the mount"
     # -q: retrying an unreachable store takes longer than a progress interval, and a progress line is not an error;
     # how long the retries last is not what is checked here, so this command gets a short retry budget
     unreachable = fails(
@@ -168,4 +174,4 @@ def test_bad_numbers_are_refused(dataset: Path) -> None:
 
 def test_sync_of_a_path_no_mount_holds_is_refused() -> None:
     assert "/nope: no mount contains this path" in fails(1, "sync", "/nope")
-    assert ok("sync").startswith("synced /: 0 upload(s)")
+    assert ok("sync").startswith("synced /: 0 uploads waited for")

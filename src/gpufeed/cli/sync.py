@@ -6,7 +6,7 @@ import time
 
 import typer
 
-from gpufeed.cli.console import out
+from gpufeed.cli.console import counted, out
 
 
 def sync(path: str = typer.Argument("/", help="Namespace path whose writes to wait for (default: all).")) -> None:
@@ -17,4 +17,4 @@ def sync(path: str = typer.Argument("/", help="Namespace path whose writes to wa
 
     started = time.monotonic()
     count = Client().sync(path)
-    out.print(f"synced {path}: {count} upload(s) waited for in {time.monotonic() - started:.1f} s", highlight=False)
+    out.print(f"synced {path}: {counted(count, 'upload')} waited for in {time.monotonic() - started:.1f} s", highlight=False)

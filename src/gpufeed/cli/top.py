@@ -20,7 +20,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from gpufeed.cli.console import human_bytes, out, print_json
+from gpufeed.cli.console import counted, human_bytes, out, print_json
 from gpufeed.cli.metrics import running_agent
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument
@@ -135,7 +135,7 @@ def render(shot: dict[str, Any]) -> Group:
     lead = f", {prefetch['lead_s']:.2f} s lead" if prefetch["lead_s"] is not None else ""
     head = Text(
         f"agent {shot['agent_pid']} · cache {human_bytes(cache['bytes'])} of {human_bytes(cache['limit'])}{used}, "
-        f"{cache['blocks']} blocks · {shot['clients']} connections · prefetch {prefetch['queued']} queued, "
+        f"{counted(cache['blocks'], 'block')} · {counted(shot['clients'], 'connection')} · prefetch {prefetch['queued']} queued, "
         f"{prefetch['ahead_samples']:,} samples / {prefetch['ahead_blocks']} blocks ahead{lead} · over {shot['interval_s']:.1f} s"
     )
     peers = any(m["peer_bytes"] for m in shot["mounts"])  # a column only on a node that read from peers
