@@ -240,6 +240,23 @@ def test_quota_smaller_than_working_set(files: dict[str, bytes], gpufeed_home: P
     assert info.bytes <= quota and info.evictions > 0
 
 
+def test_a_lowered_quota_is_met_when_the_agent_starts(
+    files: dict[str, bytes], gpufeed_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quota lowered for the next agent (to give a disk back) is met when it starts, not only
+    once a new block is cached: a quota below one block would otherwise never evict anything."""
+    for name, data in files.items():
+        assert gpufeed.read(f"/data/{name}") == data
+    assert stats().bytes > 300_000
+    stop_agent(Settings.from_env())
+    monkeypatch.setenv("GPUFEED_CACHE_SIZE", "100000")
+    info = stats()
+    on_disk = sum(p.stat().st_size for p in block_files(gpufeed_home / "cache"))
+    assert info.bytes <= 100_000 and on_disk == info.bytes and info.evictions > 0
+    assert gpufeed.read("/data/00039.bin") == files["00039.bin"]
+    assert stats().bytes_fetched == 0, "the newest blocks stay"
+
+
 def test_cache_off_mount_writes_no_blocks(tmp_path: Path, gpufeed_home: Path) -> None:
     make_files(tmp_path / "nc", 3, 100)
     Namespace().add_mount("/nc", f"file://{tmp_path / 'nc'}", {"cache": "off"})

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gpufeed.agent.manager import AgentConfig
 from gpufeed.agent.service import run_agent
-from gpufeed.config import CLUSTER_FLAGS, Settings, parse_addr, parse_log_format, parse_size, with_cluster_flags
+from gpufeed.config import CLUSTER_FLAGS, Settings, parse_addr, parse_log_format, parse_quota, with_cluster_flags
 from gpufeed.errors import GpufeedError
 from gpufeed.logsetup import configure
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = with_cluster_flags(settings, {flag: getattr(args, flag) for flag in CLUSTER_FLAGS})
         configure(settings.log_format, debug=settings.debug)
         dirs = tuple(d.expanduser().absolute() for d in args.cache_dir) or settings.cache_dirs
-        size = parse_size(args.cache_size, "--cache-size") if args.cache_size else settings.cache_size
+        size = parse_quota(args.cache_size, "--cache-size") if args.cache_size else settings.cache_size
         run_agent(AgentConfig(dirs, size, settings.cache_free_ratio, args.idle_timeout), settings)
     except GpufeedError as exc:
         sys.stderr.write(f"gpufeed agent: error: {exc}\n")  # the process's one error line, logging or not

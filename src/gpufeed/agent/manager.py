@@ -88,6 +88,9 @@ class CacheManager:
             for _, name, size in sorted(found):
                 self.policy.insert(name, size)
                 self.sizes[name] = size
+        limit = self.limit()
+        if self.policy.bytes > limit:  # a quota lowered since the last agent: down to it now, oldest first
+            self.evict_to(int(LOW_WATERMARK * limit))
 
     def path(self, block: BlockId) -> str:
         return block_path(self.config.dirs, block)

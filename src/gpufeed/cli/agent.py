@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from gpufeed.cli.console import command_group, counted, err, human_bytes, out
-from gpufeed.config import Settings, parse_addr, parse_log_format, parse_size, with_cluster_flags
+from gpufeed.config import Settings, parse_addr, parse_log_format, parse_quota, with_cluster_flags
 from gpufeed.errors import GpufeedError
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class Asked:
         if self.cache_dirs:
             changes["cache_dirs"] = tuple(d.expanduser().absolute() for d in self.cache_dirs)
         if self.cache_size:
-            changes["cache_size"] = parse_size(self.cache_size, "--cache-size")
+            changes["cache_size"] = parse_quota(self.cache_size, "--cache-size")
         if self.metrics_addr:
             parse_addr(self.metrics_addr)
             changes["metrics_addr"] = self.metrics_addr
