@@ -157,9 +157,10 @@ def test_killed_appenders_lose_no_acknowledged_record_and_duplicate_none(out: Bu
 def test_logs_tail_prints_the_last_records_and_follows(out: Bucket) -> None:
     with Appender("/out/serve", max_bytes=100) as log:
         log.append_many({"n": i} for i in range(50))
-    commands = [("-n", "3"), ("-n", "1000"), ("/out/absent",), ("/elsewhere/logs",), ("-n", "-1")]
+    commands = [("-n", "3"), ("-n", "1000"), ("/out/absent",), ("/elsewhere/logs",), ("-n", "-1"), ("/out",)]
     with ThreadPoolExecutor(len(commands)) as pool:  # one CLI start-up is over a second here: run them side by side
-        last3, last1000, absent, elsewhere, negative = pool.map(lambda args: cli_tail(*args), commands)
+        last3, last1000, absent, elsewhere, negative, not_a_log = pool.map(lambda args: cli_tail(*args), commands)
+    assert ok_lines(not_a_log) == [] and "/out: no committed log segments (*.jsonl) here yet" in not_a_log.stderr
     assert ok_lines(last3) == ['{"n":47}', '{"n":48}', '{"n":49}']
     assert len(ok_lines(last1000)) == 50
     assert one_error(absent, 1).endswith("/out/absent: no such log directory (no segment committed yet?)")

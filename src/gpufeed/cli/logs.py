@@ -9,7 +9,7 @@ import time
 
 import typer
 
-from gpufeed.cli.console import command_group
+from gpufeed.cli.console import command_group, err
 from gpufeed.errors import InvalidArgument
 
 app = command_group(help="Read and recover inference logs (gpufeed.logs.Appender).", no_args_is_help=True)
@@ -33,6 +33,8 @@ def tail(
         raise InvalidArgument(f"logs tail: -n must be >= 0 and --interval > 0, got {lines} and {interval}")
     sink = sys.stdout.buffer
     found = logs.segments(path)
+    if not found and not follow:  # say so on stderr: stdout stays the records only
+        err.print(f"{path}: no committed log segments (*{logs.SUFFIX}) here yet; an Appender's segments appear once committed")
     seen = {segment.path for segment in found}
     last: list[bytes] = []
     for segment in reversed(found):
