@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import typer
 from rich.table import Table
 
@@ -55,6 +57,10 @@ def ls(path: str = typer.Argument("/", help="Namespace path.")) -> None:
         files += 1
         total += item.size
         cached += present
-        typer.echo(f"{present / item.size if item.size else 1:>7.1%}  {item.size:>12}  {item.path}")
-    share = cached / total if total else 1
-    typer.echo(f"{share:>7.1%}  {total:>12}  total ({counted(files, 'file')}, {human_bytes(cached)} cached)")
+        typer.echo(f"{_share(present, item.size):>7}  {item.size:>12}  {item.path}")
+    typer.echo(f"{_share(cached, total):>7}  {total:>12}  total ({counted(files, 'file')}, {human_bytes(cached)} cached)")
+
+
+def _share(part: int, whole: int) -> str:
+    """`part` of `whole` as a percentage rounded down: 100.0% only when all of it is cached."""
+    return "100.0%" if part >= whole else f"{math.floor(part / whole * 1000) / 10:.1f}%"
