@@ -49,6 +49,8 @@ def test_a_local_path_mounts_as_the_absolute_file_url_it_means(
         assert f.read() == bytes([1]) * 1001, "read from another directory: the same files"
     monkeypatch.setenv("HOME", str(tmp_path))
     assert namespace.add_mount("/home", f"~/{dataset.name}")[0].url == f"file://{dataset}"
+    assert namespace.add_mount("/short", f"file:{dataset}")[0].url == f"file://{dataset}", "one URL for one directory"
+    assert namespace.add_mount("/local", f"file://localhost{dataset}")[0].url == f"file://{dataset}"
 
 
 def test_ls_and_stat_never_touch_the_source(namespace: Namespace, dataset: Path) -> None:

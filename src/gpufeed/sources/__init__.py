@@ -60,9 +60,13 @@ def split_url(url: str) -> SplitResult:
 def as_url(location: str) -> str:
     """`location` as a source URL: a local path without a scheme (`/data`, `./data`, `~/data`)
     becomes the absolute file:// URL it means, so a mount added from one directory reads the
-    same directory from any other; a URL is returned as it is."""
-    if location and not split_url(location).scheme:
+    same directory from any other; `file:/data` and `file://localhost/data` become `file:///data`,
+    so a directory has one URL and one set of cached blocks; any other URL is returned as it is."""
+    parts = split_url(location)
+    if location and not parts.scheme:
         return f"file://{Path(location).expanduser().absolute()}"
+    if parts.scheme.lower() == "file" and parts.netloc in ("", "localhost") and parts.path.startswith("/"):
+        return f"file://{parts.path}" + (f"?{parts.query}" if parts.query else "")
     return location
 
 
