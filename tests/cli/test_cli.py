@@ -48,6 +48,7 @@ def test_file_mount_session(dataset: Path) -> None:
     stat = ok("stat", "/data/train/dogs/1.jpg")
     assert "size:     2001" in stat and "type:     file" in stat
     assert ok("cat", "/data/README") == "readme\n"
+    assert ok("cat", "/data/README", "/data/empty.bin", "/data/README") == "readme\nreadme\n", "as cat joins files"
     assert ok("du", "/data/train").split("\t")[0] == str(3003 + 6003)
     (dataset / "README").write_bytes(b"changed")
     assert "0 added, 1 changed, 0 removed" in ok("mount", "refresh", "/data")

@@ -47,12 +47,14 @@ def stat(path: str = typer.Argument(..., help="Namespace path.")) -> None:
         typer.echo(f"version:  {item.version}")
 
 
-def cat(path: str = typer.Argument(..., help="Namespace path of a file.")) -> None:
-    """Write a file's bytes to standard output."""
-    with _client().open(path) as f:
-        while chunk := f.read(CAT_CHUNK):
-            write_stdout(chunk)
-        write_stdout(b"", flush=True)
+def cat(paths: list[str] = typer.Argument(..., help="Namespace paths of files.", metavar="PATH")) -> None:
+    """Write the files' bytes to standard output, one after another."""
+    client = _client()
+    for path in paths:
+        with client.open(path) as f:
+            while chunk := f.read(CAT_CHUNK):
+                write_stdout(chunk)
+    write_stdout(b"", flush=True)
 
 
 def du(path: str = typer.Argument("/", help="Namespace path.")) -> None:
