@@ -47,11 +47,11 @@ def stat(path: str = typer.Argument(..., help="Namespace path.")) -> None:
         typer.echo(f"version:  {item.version}")
 
 
-def cat(paths: list[str] = typer.Argument(..., help="Namespace paths of files.", metavar="PATH")) -> None:
+def cat(path: list[str] = typer.Argument(..., help="Namespace paths of files.")) -> None:
     """Write the files' bytes to standard output, one after another."""
     client = _client()
-    for path in paths:
-        with client.open(path) as f:
+    for one in path:
+        with client.open(one) as f:
             while chunk := f.read(CAT_CHUNK):
                 write_stdout(chunk)
     write_stdout(b"", flush=True)
