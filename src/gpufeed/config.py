@@ -149,7 +149,7 @@ class Settings:
             request_timeout=_positive_env("GPUFEED_REQUEST_TIMEOUT", 60.0),
             retry_timeout=_float_env("GPUFEED_RETRY_TIMEOUT", 15.0),
             cache_dirs=tuple(Path(d).expanduser() for d in dirs.split(":") if d) if dirs else (home / "cache",),
-            cache_size=parse_quota(os.environ.get("GPUFEED_CACHE_SIZE") or "100GiB", "GPUFEED_CACHE_SIZE"),
+            cache_size=parse_size(os.environ.get("GPUFEED_CACHE_SIZE") or "100GiB", "GPUFEED_CACHE_SIZE"),
             cache_free_ratio=_float_env("GPUFEED_CACHE_FREE_RATIO", 0.1),
             block_size=parse_size(os.environ.get("GPUFEED_BLOCK_SIZE") or "4MiB", "GPUFEED_BLOCK_SIZE"),
             verify=parse_verify(os.environ.get("GPUFEED_VERIFY") or "always", "GPUFEED_VERIFY"),

@@ -69,15 +69,22 @@ def normalize(path: str) -> str:
     if not path.isascii():
         try:
             path.encode()
-        except UnicodeEncodeError:  # a name the shell passed as bytes that are not UTF-8
-            shown = path.encode(errors="surrogateescape").decode(errors="backslashreplace")
-            raise InvalidArgument(f"{shown}: not valid UTF-8; namespace paths, like object keys, are UTF-8 text") from None
+        except UnicodeEncodeError:  # a name the shell passed as bytes that are not UTF-8 (or a lone surrogate)
+            raise InvalidArgument(f"{_shown(path)}: not valid UTF-8; namespace paths, like object keys, are UTF-8 text") from None
     clean = posixpath.normpath(path)
     return "/" + clean.lstrip("/")
 
 
 _SAID = (": the object changed at the source since it was listed", ": not found at the source")
 """What a source's own error says that `since_listed` says already."""
+
+
+def _shown(path: str) -> str:
+    """`path` printable: bytes a shell passed undecoded as \\xff, other lone surrogates as \\ud800."""
+    try:
+        return path.encode(errors="surrogateescape").decode(errors="backslashreplace")
+    except UnicodeEncodeError:
+        return path.encode(errors="backslashreplace").decode()
 
 
 def since_listed(path: str, what: str, mount: str, detail: str) -> str:

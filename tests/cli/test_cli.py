@@ -168,7 +168,6 @@ def test_bad_numbers_are_refused(dataset: Path) -> None:
     assert "--max-age nan" in fails(2, "mount", "add", "/d", f"file://{dataset}", "--max-age", "nan")
     assert "cache dir /proc" in fails(1, "agent", "--cache-dir", "/proc/gpufeed-test-no-such-dir")
     assert "--cache-size '0': a cache quota must be above 0" in fails(2, "agent", "start", "--cache-size", "0")
-    assert "GPUFEED_CACHE_SIZE '0B': a cache quota must be above 0" in fails(2, "mount", "ls", env={"GPUFEED_CACHE_SIZE": "0B"})
     refusals = (("GPUFEED_PROGRESS_INTERVAL", "0"), ("GPUFEED_PROGRESS_INTERVAL", "-3"), ("GPUFEED_CONNECT_TIMEOUT", "nan"))
     for name, value in refusals:
         refused = fails(2, "mount", "ls", env={name: value})

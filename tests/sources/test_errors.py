@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import gpufeed
+from gpufeed.client.connection import stop_agent
 from gpufeed.config import Settings
 from gpufeed.errors import (
     InvalidArgument,
@@ -215,6 +216,8 @@ def test_a_local_mount_whose_directory_is_gone_still_serves_what_the_cache_holds
     Namespace().add_mount("/data", f"file://{src}")
     assert gpufeed.read("/data/cached.bin") == b"c" * 5000
     src.rename(tmp_path / "away")
+    stop_agent(Settings.from_env())  # a new agent and a new reader: neither saw the directory
+    gpufeed._default = None
     assert gpufeed.read("/data/cached.bin") == b"c" * 5000
     with pytest.raises(PathNotFound, match=f"file://{src}: no such directory"):
         gpufeed.read("/data/not-cached.bin")

@@ -88,9 +88,6 @@ class CacheManager:
             for _, name, size in sorted(found):
                 self.policy.insert(name, size)
                 self.sizes[name] = size
-        limit = self.limit()
-        if self.policy.bytes > limit:  # a quota lowered since the last agent: down to it now, oldest first
-            self.evict_to(int(LOW_WATERMARK * limit))
 
     def path(self, block: BlockId) -> str:
         return block_path(self.config.dirs, block)
@@ -155,6 +152,14 @@ class CacheManager:
         if self.policy.bytes > HIGH_WATERMARK * limit:
             self.evict_to(int(LOW_WATERMARK * limit))
         return True
+
+    def meet_quota(self) -> int:
+        """Evict down to a quota lowered since the last agent, oldest first; returns the bytes
+        freed. Only the quota counts here: a disk that other data filled leaves the cache as it
+        is, serving hits (new blocks then go uncached), as it did before the restart."""
+        if self.policy.bytes <= self.config.cache_size:
+            return 0
+        return self.evict_to(int(LOW_WATERMARK * self.config.cache_size))
 
     def discard(self, block: BlockId) -> None:
         """Remove a block a reader found damaged, before it is fetched again."""

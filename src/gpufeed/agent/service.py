@@ -446,6 +446,8 @@ class Agent:
         watcher = asyncio.create_task(self._watch_idle()) if self.config.idle_timeout else None
         dir_watcher = asyncio.create_task(self._watch_cache_dir())
         log.info("agent %d serving %s", os.getpid(), ", ".join(map(str, self.config.dirs)))
+        if freed := self.manager.meet_quota():  # once serving: readers wait for no unlinks at start
+            log.info("evicted %d bytes down to the quota of %d", freed, self.config.cache_size)
         try:
             await self._stop.wait()
         finally:

@@ -175,8 +175,8 @@ def start(
         host, port = parse_addr(settings.metrics_addr)
         where = f"; metrics on http://{host}:{port}/metrics"
     out.print(_serving(agent.stats(start=False)) + where, highlight=False, soft_wrap=True)
-    readers = Settings.from_env().cache_dirs[0]
-    if settings.cache_dirs[0] != readers:  # an agent is found by its first dir: readers would start their own
+    readers = Settings.from_env().cache_dirs[0].absolute()
+    if settings.cache_dirs[0].absolute() != readers:  # an agent is found by its first dir: readers would start their own
         dirs = ":".join(str(d) for d in settings.cache_dirs)
         err.print(
             f"note: readers here use the agent of {readers}, not this one; set GPUFEED_CACHE_DIRS={dirs} "

@@ -146,12 +146,20 @@ def rm(
 
 
 def _refuse_if_served(settings: Settings, path: str) -> None:
-    from gpufeed.errors import MountConflict
+    from gpufeed.errors import GpufeedError, MountConflict
     from gpufeed.integrations.fuse_mounts import live
+    from gpufeed.paths import normalize
+    from gpufeed.processes import alive
 
     for view in live(settings):
-        inside = f"{path}/".startswith(f"{view.nspath.rstrip('/')}/") or view.nspath.startswith(f"{path}/")
-        if inside and view.state is not None and view.alive:  # a state file here: this home's daemon
+        try:
+            nspath = normalize(view.nspath)
+        except GpufeedError:
+            continue
+        inside = f"{path}/".startswith(f"{nspath.rstrip('/')}/") or nspath.startswith(f"{path}/")
+        pid = view.state.get("pid") if view.state is not None else None  # a state file here: this home's daemon
+        ours = isinstance(pid, int) and pid > 0 and alive(pid) and view.alive
+        if inside and ours:
             raise MountConflict(
                 f"{path}: gpufeed fuse serves it at {view.mountpoint}; stop that first "
                 f"('gpufeed fuse stop {view.mountpoint}'), or remove the mount anyway with --force"

@@ -14,6 +14,7 @@ import os
 import stat
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from obstore import exceptions as obx
 from obstore.store import LocalStore
@@ -23,6 +24,15 @@ from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing, PathNo
 from gpufeed.sources import retry
 from gpufeed.sources.base import ObjectInfo
 from gpufeed.sources.objstore import ObstoreSource
+
+
+def local_path(url_path: str) -> Path:
+    """The directory a file URL's path names. gpufeed's own file URLs hold the path as it is
+    (`as_url`); one written the standard way (`Path.as_uri()`: a space as %20) is decoded where
+    only the decoded path exists."""
+    literal, decoded = Path(url_path), Path(unquote(url_path))
+    return decoded if not literal.exists() and decoded.exists() else literal
+
 
 MTIME_SLACK_S = 1e-5
 """A listed modification time went through a float and obstore's microseconds: a file whose
@@ -34,9 +44,25 @@ class LocalSource(ObstoreSource):
 
     _store: LocalStore | None
 
-    def __init__(self, url: str, root: Path, options: dict[str, str] | None = None, *, settings: Settings | None = None) -> None:
+    def __init__(
+        self, url: str, url_path: str, options: dict[str, str] | None = None, *, settings: Settings | None = None
+    ) -> None:
         super().__init__(url, None, None, options, kind="file", settings=settings)
-        self.root = os.path.realpath(root)
+        self._url_path = url_path
+        self._root: str | None = None
+
+    @property
+    def root(self) -> str:
+        """The directory, as the URL names it (a symlink in it followed at every open), settled
+        once it exists: which of the literal and the %-decoded path it is (`local_path`) is
+        decided by the one that is there, so a directory missing when the source was made is
+        found when it comes back."""
+        if self._root is not None:
+            return self._root
+        root = str(local_path(self._url_path))
+        if os.path.isdir(root):
+            self._root = root
+        return root
 
     @property
     def store(self) -> Any:

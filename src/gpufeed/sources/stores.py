@@ -10,9 +10,8 @@ from __future__ import annotations
 import difflib
 import os
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import obstore
 from obstore import exceptions as obx
@@ -22,7 +21,7 @@ from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, InvalidArgument
 from gpufeed.sources import open_source
 from gpufeed.sources.base import parse_bool
-from gpufeed.sources.local import LocalSource
+from gpufeed.sources.local import LocalSource, local_path
 from gpufeed.sources.objstore import ObstoreSource
 
 if TYPE_CHECKING:
@@ -90,14 +89,6 @@ def _construct(
     return ObstoreSource(display_url, store, shown_endpoint, canonical, kind=kind, settings=settings)
 
 
-def local_path(url_path: str) -> Path:
-    """The directory a file URL's path names. gpufeed's own file URLs hold the path as it is
-    (`as_url`); one written the standard way (`Path.as_uri()`: a space as %20) is decoded where
-    only the decoded path exists."""
-    literal, decoded = Path(url_path), Path(unquote(url_path))
-    return decoded if not literal.exists() and decoded.exists() else literal
-
-
 def local_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
     if parts.netloc not in ("", "localhost"):
         raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
@@ -107,7 +98,7 @@ def local_source(url: str, parts: SplitResult, options: dict[str, str], settings
         raise InvalidArgument(f"{url}: file URLs take an absolute path, file:///abs/dir")
     if root.is_file():
         raise InvalidArgument(f"{url}: is a file; a mount's source is a directory (file://{root.parent})")
-    return LocalSource(f"file://{root}", root, settings=settings)
+    return LocalSource(f"file://{root}", parts.path, settings=settings)
 
 
 def s3_source(url: str, parts: SplitResult, options: dict[str, str], settings: Settings) -> ObstoreSource:
