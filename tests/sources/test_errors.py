@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import http.server
+import logging
+import os
 import socket
 import subprocess
 import sys
@@ -196,14 +198,27 @@ def test_missing_local_directory(tmp_path: Path) -> None:
         Namespace().add_mount("/data", f"file://{tmp_path}/a.txt")
 
 
-def test_a_file_name_the_listing_cannot_take_is_named_whole_on_one_line(tmp_path: Path) -> None:
-    (tmp_path / "ok.bin").write_bytes(b"x")
-    (tmp_path / "new\nline.bin").write_bytes(b"x")
-    with pytest.raises(SourceError) as caught:
-        Namespace().add_mount("/data", f"file://{tmp_path}")
-    message = str(caught.value)
-    assert "\n" not in message and '"/new\\nline.bin"' in message and "rename that file" in message, message
-    assert Namespace().mounts() == []
+def test_entries_no_key_can_name_are_skipped_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """One odd name in a dataset directory (a newline, bytes that are not UTF-8, a symlink loop)
+    must not make the whole directory unmountable: it is skipped and named, as rsync does."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "ok.bin").write_bytes(b"ok")
+    (src / "new\nline.bin").write_bytes(b"x")
+    (src / "sub" / "fine.bin").write_bytes(b"fine")
+    os.symlink(src, src / "sub" / "loop")
+    (src / "upload#3").write_bytes(b"an obstore upload part")
+    with open(os.fsencode(src / "sub") + b"/caf\xe9.txt", "wb") as odd:
+        odd.write(b"x")
+    with caplog.at_level(logging.WARNING, logger="gpufeed"):
+        mount, stats = Namespace().add_mount("/data", f"file://{src}")
+    assert (stats.files, stats.bytes) == (2, 6)
+    assert sorted(info.path for info in Namespace().walk("/data")) == ["/data/ok.bin", "/data/sub/fine.bin"]
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"file://{src}: skipped 3 entries: "), warning
+    assert "new\\nline.bin (a control character)" in warning and "sub/caf\\xe9.txt (not UTF-8)" in warning
+    assert "sub/loop (a symlink loop)" in warning
+    assert gpufeed.read("/data/sub/fine.bin") == b"fine"
 
 
 def test_a_local_mount_whose_directory_is_gone_still_serves_what_the_cache_holds(tmp_path: Path) -> None:

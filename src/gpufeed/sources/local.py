@@ -10,8 +10,11 @@ listed one), and the content hash when the whole object is read.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -23,7 +26,9 @@ from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing, PathNotFound
 from gpufeed.sources import retry
 from gpufeed.sources.base import ObjectInfo
-from gpufeed.sources.objstore import ObstoreSource
+from gpufeed.sources.objstore import LIST_CHUNK, ObstoreSource
+
+log = logging.getLogger("gpufeed")
 
 
 def local_path(url_path: str) -> Path:
@@ -34,6 +39,12 @@ def local_path(url_path: str) -> Path:
     return decoded if not literal.exists() and decoded.exists() else literal
 
 
+UNNAMEABLE = re.compile(r"[\x00-\x1f\x7f]")
+"""Characters obstore refuses in a key (control characters): a file so named is skipped."""
+STAGING = re.compile(r"#\d+$")
+"""obstore's parts of an upload in progress (`name#1`), which its listings leave out."""
+SKIPS_NAMED = 5
+"""Skipped entries a listing's warning names; the rest are counted."""
 MTIME_SLACK_S = 1e-5
 """A listed modification time went through a float and obstore's microseconds: a file whose
 time is later than that by more than this was written since it was listed."""
@@ -81,6 +92,57 @@ class LocalSource(ObstoreSource):
     @store.setter
     def store(self, store: Any) -> None:
         self._store = store
+
+    def list(self) -> Iterator[list[ObjectInfo]]:
+        """Every file under the directory, walked here rather than by obstore, whose listing fails
+        whole on one name it cannot take (a newline or other control character, bytes that are
+        not UTF-8) or one symlink loop: such an entry is skipped, and one warning names what
+        was, as rsync and rclone do. As obstore's listing: symlinks followed (one that leads
+        nowhere skipped), upload parts (`name#1`) left out, and the version (ETag: inode,
+        mtime in µs, size) its HEAD gives, so a --max-age check agrees with the listing."""
+        root = self.root
+        if not os.path.isdir(root):
+            raise PathNotFound(f"{self.url}: no such directory")
+        skipped: list[str] = []
+        batch: list[ObjectInfo] = []
+        pending = [(root, "", frozenset({_identity(os.stat(root))}))]
+        while pending:
+            directory, prefix, above = pending.pop()
+            try:
+                entries = sorted(os.scandir(directory), key=lambda e: e.name, reverse=True)
+            except OSError as exc:
+                skipped.append(f"{prefix or '.'} ({exc.strerror or exc})")
+                continue
+            for entry in entries:
+                name, key = entry.name, prefix + entry.name
+                try:
+                    name.encode()
+                except UnicodeEncodeError:  # bytes that are not UTF-8, undecoded (surrogateescape)
+                    skipped.append(_shown(key) + " (not UTF-8)")
+                    continue
+                try:
+                    st = entry.stat()  # follows a symlink
+                except OSError:
+                    continue  # a symlink that leads nowhere, as obstore
+                if stat.S_ISDIR(st.st_mode):
+                    if _identity(st) in above:
+                        skipped.append(f"{key} (a symlink loop)")
+                    else:
+                        pending.append((entry.path, key + "/", above | {_identity(st)}))
+                elif stat.S_ISREG(st.st_mode) and not STAGING.search(name):
+                    if UNNAMEABLE.search(key):
+                        skipped.append(repr(key)[1:-1] + " (a control character)")
+                        continue
+                    micros = st.st_mtime_ns // 1000
+                    batch.append(ObjectInfo(key, st.st_size, micros / 1e6, f'"{st.st_ino:x}-{micros:x}-{st.st_size:x}"'))
+                    if len(batch) >= LIST_CHUNK:
+                        yield batch
+                        batch = []
+        if batch:
+            yield batch
+        if skipped:
+            more = f" and {len(skipped) - SKIPS_NAMED} more" if len(skipped) > SKIPS_NAMED else ""
+            log.warning("%s: skipped %d entries: %s%s", self.url, len(skipped), "; ".join(skipped[:SKIPS_NAMED]), more)
 
     def translate(self, exc: Exception, key: str = "") -> Exception:
         """An object missing because its whole directory is (an unmounted export, a moved dataset)
@@ -135,3 +197,12 @@ class LocalSource(ObstoreSource):
         if start == 0 and end == size:
             self._check_hashes(key, data, expect, None, set())
         return data
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _shown(name: str) -> str:
+    """A name whose bytes are not UTF-8, printable: each such byte as \\xff."""
+    return name.encode(errors="surrogateescape").decode(errors="backslashreplace")
