@@ -70,7 +70,7 @@ def normalize(path: str) -> str:
         try:
             path.encode()
         except UnicodeEncodeError:  # a name the shell passed as bytes that are not UTF-8 (or a lone surrogate)
-            raise InvalidArgument(f"{_shown(path)}: not valid UTF-8; namespace paths, like object keys, are UTF-8 text") from None
+            raise InvalidArgument(f"{printable(path)}: not valid UTF-8; namespace paths, like keys, are UTF-8 text") from None
     clean = posixpath.normpath(path)
     return "/" + clean.lstrip("/")
 
@@ -79,8 +79,9 @@ _SAID = (": the object changed at the source since it was listed", ": not found 
 """What a source's own error says that `since_listed` says already."""
 
 
-def _shown(path: str) -> str:
-    """`path` printable: bytes a shell passed undecoded as \\xff, other lone surrogates as \\ud800."""
+def printable(path: str) -> str:
+    """`path` printable: bytes that are not UTF-8, passed undecoded (a shell's argument, a file
+    name), as \\xff; other lone surrogates as \\ud800."""
     try:
         return path.encode(errors="surrogateescape").decode(errors="backslashreplace")
     except UnicodeEncodeError:

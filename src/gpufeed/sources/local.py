@@ -24,6 +24,7 @@ from obstore.store import LocalStore
 
 from gpufeed.config import Settings
 from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing, PathNotFound
+from gpufeed.paths import printable
 from gpufeed.sources import retry
 from gpufeed.sources.base import ObjectInfo
 from gpufeed.sources.objstore import LIST_CHUNK, ObstoreSource
@@ -118,7 +119,7 @@ class LocalSource(ObstoreSource):
                 try:
                     name.encode()
                 except UnicodeEncodeError:  # bytes that are not UTF-8, undecoded (surrogateescape)
-                    skipped.append(_shown(key) + " (not UTF-8)")
+                    skipped.append(printable(key) + " (not UTF-8)")
                     continue
                 if UNNAMEABLE.search(name):  # a directory so named is skipped whole, once
                     skipped.append(repr(key)[1:-1] + " (a control character)")
@@ -201,8 +202,3 @@ class LocalSource(ObstoreSource):
 
 def _identity(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
-
-
-def _shown(name: str) -> str:
-    """A name whose bytes are not UTF-8, printable: each such byte as \\xff."""
-    return name.encode(errors="surrogateescape").decode(errors="backslashreplace")
