@@ -33,6 +33,12 @@ class IsADirectory(NamespacePathError, IsADirectoryError):
     code = "is_a_directory"
 
 
+class NotADirectory(NamespacePathError, NotADirectoryError):
+    """A file's path written as a directory's (`/data/README/`), refused as POSIX does."""
+
+    code = "not_a_directory"
+
+
 class MountError(GpufeedError):
     """Mount table problems: unknown mount, overlapping mounts."""
 

@@ -21,6 +21,7 @@ from gpufeed.errors import (
     MountConflict,
     MountError,
     MountNotFound,
+    NotADirectory,
     ObjectChanged,
     ObjectMissing,
     PackError,
@@ -312,14 +313,14 @@ class Namespace:
         return entry, where
 
     def stat(self, path: str) -> FileStat:
-        path = normalize(path)
+        raw, path = path, normalize(path)
         where = self.resolve(path)
         if where is None or where.key == "":
             return FileStat(path, True)
-        return FileStat.of(path, self._entry(path, where)[0])
+        return FileStat.of(path, _as_named(raw, self._entry(path, where)[0]))
 
     def ls(self, path: str) -> list[FileStat]:
-        path = normalize(path)
+        raw, path = path, normalize(path)
         where = self.resolve(path)
         base = path.rstrip("/")
         if where is None:
@@ -327,7 +328,7 @@ class Namespace:
             return [FileStat(f"{base}/{name}", True) for name in children]
         if where.key:
             entry, where = self._entry(path, where)
-            if not entry.is_dir:
+            if not _as_named(raw, entry).is_dir:
                 return [FileStat.of(path, entry)]
         entries = self._listdir(where.mount, where.key)
         if not entries and (switched := self._switched(where)) is not None:
@@ -338,7 +339,7 @@ class Namespace:
 
     def walk(self, path: str) -> Iterator[FileStat]:
         """Every file under `path` (or `path` itself when it is a file)."""
-        path = normalize(path)
+        raw, path = path, normalize(path)
         where = self.resolve(path)
         if where is None:
             base = path.rstrip("/")
@@ -348,7 +349,7 @@ class Namespace:
             return
         if where.key:
             entry, where = self._entry(path, where)
-            if not entry.is_dir:
+            if not _as_named(raw, entry).is_dir:
                 yield FileStat.of(path, entry)
                 return
         table = self.members(where.mount)
@@ -370,37 +371,39 @@ class Namespace:
         process, skip the HEAD; immutable mounts read unconditionally and skip it. With
         --max-age, once the listing is older than the limit every open HEADs the object and a
         changed one is recorded as its new version, which that handle then reads."""
-        path = normalize(path)
+        raw, path = path, normalize(path)
         where = self.resolve(path)
         if where is None or where.key == "":
             raise IsADirectory(f"{path}: is a directory")
-        return self._opened(path, *self._entry(path, where))
+        entry, where = self._entry(path, where)
+        return self._opened(path, _as_named(raw, entry), where)
 
     def open_objects(self, paths: Sequence[str]) -> list[tuple[Resolved, Source, ObjectInfo]]:
         """`open_object` of each path, the manifest entries looked up one directory at a time
         (a query per directory the batch touches, not per file): how a pass over a dataset
         (`gpufeed pack`) resolves its files."""
-        resolved: list[tuple[str, Resolved]] = []
+        resolved: list[tuple[str, str, Resolved]] = []
         wanted: dict[tuple[str, int, str], list[str]] = {}
-        for path in map(normalize, paths):
+        for raw in paths:
+            path = normalize(raw)
             where = self.resolve(path)
             if where is None or where.key == "":
                 raise IsADirectory(f"{path}: is a directory")
-            resolved.append((path, where))
+            resolved.append((raw, path, where))
             parent, name = where.split
             wanted.setdefault((where.mount.path, where.mount.generation, parent), []).append(name)
-        mounts = {where.mount.path: where.mount for _, where in resolved}
+        mounts = {where.mount.path: where.mount for _, _, where in resolved}
         found = {
             (mount, generation, parent): self._lookup_many(mounts[mount], parent, names)
             for (mount, generation, parent), names in wanted.items()
         }
         opened = []
-        for path, where in resolved:
+        for raw, path, where in resolved:
             parent, name = where.split
             entry = found[(where.mount.path, where.mount.generation, parent)].get(name)
             if entry is None:  # not listed, or a refresh switched the mount meanwhile: as open_object finds out
                 entry, where = self._entry(path, where)
-            opened.append(self._opened(path, entry, where))
+            opened.append(self._opened(path, _as_named(raw, entry), where))
         return opened
 
     def _opened(self, path: str, entry: Entry, where: Resolved) -> tuple[Resolved, Source, ObjectInfo]:
@@ -498,3 +501,10 @@ class Namespace:
         """The chunk sums a gpufeed pack mount's index lists for `shard` (`container`'s sums_id names them)."""
         table = self.members(mount)
         return None if table is None else table.chunk_sums(shard)
+
+
+def _as_named(raw: str, entry: Entry) -> Entry:
+    """`entry`, refused when the path named it as a directory (a trailing '/') and it is a file."""
+    if raw.endswith("/") and not entry.is_dir:
+        raise NotADirectory(f"{raw}: not a directory")
+    return entry

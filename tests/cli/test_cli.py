@@ -50,6 +50,17 @@ def test_file_mount_session(dataset: Path) -> None:
     assert ok("cat", "/data/README") == "readme\n"
     assert ok("cat", "/data/README", "/data/empty.bin", "/data/README") == "readme\nreadme\n", "as cat joins files"
     assert ok("du", "/data/train").split("\t")[0] == str(3003 + 6003)
+    assert json.loads(ok("du", "/data/train", "--json")) == {"path": "/data/train", "bytes": 3003 + 6003, "files": 6}
+    listed = json.loads(ok("ls", "--json", "/data"))
+    assert [(e["path"], e["type"], e.get("size")) for e in listed] == [
+        ("/data/README", "file", 7),
+        ("/data/empty.bin", "file", 0),
+        ("/data/train", "directory", None),
+    ]
+    one = json.loads(ok("stat", "--json", "/data/train/dogs/1.jpg"))
+    assert one["size"] == 2001 and one["version"]
+    assert abs(one["mtime"] - (dataset / "train/dogs/1.jpg").stat().st_mtime) < 1e-5, "to the microsecond"
+    assert "/data/README/: not a directory" in fails(1, "stat", "/data/README/")
     (dataset / "README").write_bytes(b"changed")
     assert "0 added, 1 changed, 0 removed" in ok("mount", "refresh", "/data")
     assert ok("cat", "/data/README") == "changed"

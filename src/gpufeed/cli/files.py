@@ -4,14 +4,15 @@ Plain lines (no rich markup) so the output pipes into other tools."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpufeed.cli.console import counted, human_bytes, when, write_stdout
+from gpufeed.cli.console import counted, human_bytes, print_json, when, write_stdout
 
 if TYPE_CHECKING:
     from gpufeed.client import Client
+    from gpufeed.paths import FileStat
 
 CAT_CHUNK = 8 << 20
 
@@ -22,12 +23,28 @@ def _client() -> Client:
     return Client()
 
 
+def _record(item: FileStat) -> dict[str, Any]:
+    """One path for a script (`--json`): a file's mtime in seconds since the epoch, its
+    version as the manifest pins it (the store's ETag, or what stands for one)."""
+    if item.is_dir:
+        return {"path": item.path, "type": "directory"}
+    return {"path": item.path, "type": "file", "size": item.size, "mtime": item.mtime, "version": item.version}
+
+
+JsonOption = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
+
+
 def ls(
     path: str = typer.Argument("/", help="Namespace path."),
-    long: bool = typer.Option(False, "-l", "--long", help="Show size, modification time and version."),
+    long: bool = typer.Option(False, "-l", "--long", help="Show size and modification time."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON array of the entries (path, type, size, mtime, version)."),
 ) -> None:
     """List a directory (from the manifest; the source is not contacted)."""
-    for item in _client().ls(path):
+    items = _client().ls(path)
+    if as_json:
+        print_json([_record(item) for item in items])
+        return
+    for item in items:
         name = item.path.rsplit("/", 1)[-1] + ("/" if item.is_dir else "")
         if long:
             size = "-" if item.is_dir else str(item.size)
@@ -36,9 +53,12 @@ def ls(
             typer.echo(name)
 
 
-def stat(path: str = typer.Argument(..., help="Namespace path.")) -> None:
+def stat(path: str = typer.Argument(..., help="Namespace path."), as_json: bool = JsonOption) -> None:
     """Show size, type, modification time and version."""
     item = _client().stat(path)
+    if as_json:
+        print_json(_record(item))
+        return
     typer.echo(f"path:     {item.path}")
     typer.echo(f"type:     {'directory' if item.is_dir else 'file'}")
     if not item.is_dir:
@@ -57,12 +77,15 @@ def cat(path: list[str] = typer.Argument(..., help="Namespace paths of files."))
     write_stdout(b"", flush=True)
 
 
-def du(path: str = typer.Argument("/", help="Namespace path.")) -> None:
+def du(path: str = typer.Argument("/", help="Namespace path."), as_json: bool = JsonOption) -> None:
     """Total size and file count under a path."""
     files = total = 0
     for item in _client().walk(path):
         files += 1
         total += item.size
+    if as_json:
+        print_json({"path": path, "bytes": total, "files": files})
+        return
     typer.echo(f"{total}\t{human_bytes(total)}\t{counted(files, 'file')}\t{path}")
 
 
