@@ -172,13 +172,16 @@ class CacheManager:
         self.policy.remove(name)
         self.sizes.pop(name, None)
 
-    def evict_to(self, goal: int) -> int:
+    def evict_to(self, goal: int, *, counted: bool = True) -> int:
+        """Unlink the coldest blocks until the cache holds `goal` bytes; each is an eviction in
+        the metrics unless a user asked for it (`cache clear`)."""
         freed = 0
         victims = self.policy.victims(goal, self.protected())
         for name in victims:
             _unlink(self.path(BlockId.parse(name)))
             freed += self.sizes.pop(name, 0)
-            self.metrics.count("evictions")
+        if counted:
+            self.metrics.count("evictions", len(victims))
         if victims:
             self._deleted()
         return freed

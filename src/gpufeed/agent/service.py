@@ -269,7 +269,7 @@ class Agent:
         return Done()
 
     async def _clear(self, request: Clear, conn: Connection) -> Reply:
-        return Cleared(self.manager.evict_to(0))
+        return Cleared(self.manager.evict_to(0, counted=False))
 
     async def _shutdown(self, request: Shutdown, conn: Connection) -> Reply:
         assert self._stop is not None
