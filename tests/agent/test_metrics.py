@@ -136,6 +136,21 @@ def test_prometheus_scrapes_the_hits_and_misses_the_reads_caused(
     assert query(server, 'up{job="gpufeed"}')[0]["value"][1] == "1"
 
 
+def test_reads_past_the_cache_count_as_direct_misses(data: dict[str, bytes], tmp_path: Path) -> None:
+    """A mount with cache=off reads the store from the reader itself: the agent never sees those
+    reads but counts what the reader reports, so `cache stats` and store MB/s cover them."""
+    Namespace().add_mount("/off", f"file://{tmp_path / 'src'}", {"cache": "off"})
+    assert gpufeed.client().agent.stats().misses == 0  # started: readers report to a running agent, never start one
+    for name, body in data.items():
+        assert gpufeed.read(f"/off/{name}") == body
+    gpufeed.client().hits.flush()
+    seen = agent_metrics()
+    assert seen[("gpufeed_misses_total", (("mount", "/off"), ("tier", "direct")))] == FILES
+    assert seen[("gpufeed_miss_bytes_total", (("mount", "/off"), ("tier", "direct")))] == sum(map(len, data.values()))
+    assert seen[("gpufeed_cache_blocks", ())] == 0, "nothing cached"
+    assert gpufeed.client().agent.stats().misses == FILES
+
+
 def test_a_bad_or_taken_metrics_address_is_one_line_and_a_failed_start(tmp_path: Path) -> None:
     agent = [sys.executable, "-m", "gpufeed.agent", "--cache-dir", str(tmp_path / "cache")]
     bad = subprocess.run([*agent, "--metrics-addr", "localhost:http"], capture_output=True, text=True, timeout=60)

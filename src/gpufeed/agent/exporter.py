@@ -55,8 +55,9 @@ class Collector:
         m = self.metrics
         yield _by_tier("hits", "Blocks read from the cache, by tier (disk) and mount", m.hits)
         yield _by_tier("hit_bytes", "Bytes readers read from cached blocks", m.hit_bytes)
-        yield _by_tier("misses", "Blocks fetched after a miss, by where from (store, peer) and mount", m.misses)
-        yield _by_tier("miss_bytes", "Bytes fetched after a miss, by where from (store, peer) and mount", m.miss_bytes)
+        where = "by where from (store, peer, or direct: a reader's own store read past the cache) and mount"
+        yield _by_tier("misses", f"Blocks fetched after a miss, {where}", m.misses)
+        yield _by_tier("miss_bytes", f"Bytes fetched after a miss, {where}", m.miss_bytes)
         stall = CounterMetricFamily(
             "gpufeed_stall_seconds", "Seconds readers' reads waited on misses, summed over readers", labels=["mount"]
         )

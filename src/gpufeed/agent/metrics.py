@@ -84,8 +84,9 @@ class Metrics:
         """(mount, tier) → blocks readers read from the cache; tier "disk" today ("memory" later)."""
         self.hit_bytes: Counter[tuple[str, str]] = Counter()
         self.misses: Counter[tuple[str, str]] = Counter()
-        """(mount, tier) → blocks the agent fetched, by where from: "store", or "peer" (another
-        node of the cache cluster, `agent.peers`)."""
+        """(mount, tier) → blocks fetched after a miss, by where from: "store", "peer" (another
+        node of the cache cluster, `agent.peers`), or "direct" (pieces a reader read from the
+        store itself, past the cache: a mount with cache=off, a cache full; readers report them)."""
         self.miss_bytes: Counter[tuple[str, str]] = Counter()
         self.stall_s: defaultdict[str, float] = defaultdict(float)
         """mount → seconds readers' reads waited on misses (the agent or the store), all readers summed."""
@@ -140,10 +141,14 @@ class Metrics:
             self.hits[(mount, "disk")] += item.hits
             self.hit_bytes[(mount, "disk")] += item.hit_bytes
             self.stall_s[mount] += item.stall_s
+            if item.direct:
+                self.misses[(mount, "direct")] += item.direct
+                self.miss_bytes[(mount, "direct")] += item.direct_bytes
             if reader is not None:
                 reader.hits += item.hits
                 reader.hit_bytes += item.hit_bytes
                 reader.stall_s += item.stall_s
+                reader.fetched_bytes += item.direct_bytes
 
     def connected(self, pid: int) -> Reader:
         reader = self.readers.get(pid)

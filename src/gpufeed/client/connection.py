@@ -297,15 +297,17 @@ def _nothing() -> None:
 
 
 class Tally:
-    """What this process's reads of one mount did since the last report; the hit path adds to
-    it directly (two integer additions, no call)."""
+    """What this process's reads of one mount did since the last report (`Served`); the hit
+    path adds to it directly (two integer additions, no call)."""
 
-    __slots__ = ("hits", "hit_bytes", "stall_s")
+    __slots__ = ("hits", "hit_bytes", "stall_s", "direct", "direct_bytes")
 
     def __init__(self) -> None:
         self.hits = 0
         self.hit_bytes = 0
         self.stall_s = 0.0
+        self.direct = 0
+        self.direct_bytes = 0
 
 
 class HitReporter:
@@ -360,11 +362,13 @@ class HitReporter:
         """The tallies' figures since the last report, and zeroed (under the lock)."""
         served = []
         for mount, tally in self.tallies.items():
-            if tally.hits or tally.stall_s:
-                served.append(Served(mount, tally.hits, tally.hit_bytes, tally.stall_s))
+            if tally.hits or tally.stall_s or tally.direct:
+                served.append(Served(mount, tally.hits, tally.hit_bytes, tally.stall_s, tally.direct, tally.direct_bytes))
                 tally.hits -= served[-1].hits
                 tally.hit_bytes -= served[-1].hit_bytes
                 tally.stall_s -= served[-1].stall_s
+                tally.direct -= served[-1].direct
+                tally.direct_bytes -= served[-1].direct_bytes
         return served
 
     def check(self) -> None:

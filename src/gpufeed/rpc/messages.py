@@ -118,12 +118,16 @@ class Cancel(msgspec.Struct, tag="cancel"):
 
 class Served(msgspec.Struct, array_like=True):
     """What one process's reads of one mount did since its last report: hits it served from the
-    cache itself, their bytes, and the wall time its reads spent waiting on misses (stall)."""
+    cache itself, their bytes, the wall time its reads spent waiting on misses (stall), and the
+    pieces it read from the store itself, past the cache (a mount with cache=off, a full cache),
+    and their bytes."""
 
     mount: str
     hits: int
     hit_bytes: int
     stall_s: float
+    direct: int = 0
+    direct_bytes: int = 0
 
 
 class Hits(msgspec.Struct, tag="hits"):
