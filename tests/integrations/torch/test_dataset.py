@@ -139,6 +139,26 @@ def test_labels_without_a_subclass(tmp_path: Path) -> None:
         FeedDataset("/img", target="parent")  # type: ignore[arg-type]
 
 
+def test_folder_labels_are_the_first_folder_under_the_root(tmp_path: Path) -> None:
+    """Tiny-ImageNet's train/<class>/images/<file>: the class is n01, not `images`."""
+    root = tmp_path / "tiny"
+    for name in ("n01", "n02"):
+        (root / "train" / name / "images").mkdir(parents=True)
+        for i in range(2):
+            (root / "train" / name / "images" / f"{name}_{i}.JPEG").write_bytes(name.encode())
+        (root / "train" / name / f"{name}_boxes.txt").write_bytes(name.encode())
+    (root / "README").write_bytes(b"readme")
+    Namespace().add_mount("/tiny", f"file://{root}")
+    for given in ("/tiny/train", "/tiny/train/", ["/tiny/train/n01", "/tiny/train/n02"]):
+        data = FeedDataset(given, target="folder")
+        assert data.classes == ["n01", "n02"]
+        assert [(sample.decode(), label) for sample, label in (data[i] for i in range(len(data)))] == [
+            ("n01", 0)
+        ] * 3 + [("n02", 1)] * 3
+    with pytest.raises(InvalidArgument, match="/tiny/README: not inside a class folder under /tiny"):
+        FeedDataset("/tiny", target="folder")
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_hits_served_in_dataloader_workers_reach_the_agents_counts(tmp_path: Path, persistent: bool) -> None:
     """Workers exit without atexit handlers; their hits are reported all the same, so `cache

@@ -26,9 +26,10 @@ T = TypeVar("T")
 
 class FeedDataset(torch.utils.data.Dataset, Generic[T]):
     """Map-style: item i is the bytes of file i, or `transform(bytes)`; with `target`, the pair
-    (item, `target(path)`). `target="folder"` labels each file by its directory, as torchvision's
-    ImageFolder does (`classes`, `class_to_idx`). The files are listed once, from the manifest,
-    when the dataset is built; `paths` and `sizes` index them.
+    (item, `target(path)`). `target="folder"` labels each file by the folder it lies under one
+    level below the root, as torchvision's ImageFolder does (`classes`, `class_to_idx`). The
+    files are listed once, from the manifest, when the dataset is built; `paths` and `sizes`
+    index them.
 
     A sample's bytes are handed to `transform` as the read returned them: a small file's bytes
     object itself, never a copy of it."""
@@ -43,7 +44,7 @@ class FeedDataset(torch.utils.data.Dataset, Generic[T]):
         self.index = FileIndex.build(paths_or_dir, gpufeed.client())
         self.transform = transform
         if target == "folder":
-            target = FolderLabels(self.index.paths)
+            target = FolderLabels(self.index.paths, paths_or_dir)
         elif target is not None and not callable(target):
             raise InvalidArgument(f"target={target!r}: expected a function of the path, or 'folder'")
         self.target: Callable[[str], Any] | None = target
