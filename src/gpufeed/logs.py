@@ -54,7 +54,7 @@ import msgspec
 
 import gpufeed
 from gpufeed.config import Settings, cluster_node_id
-from gpufeed.errors import InvalidArgument, IsADirectory, PathNotFound, ReadOnlyMount, WriteError
+from gpufeed.errors import InvalidArgument, NotADirectory, PathNotFound, ReadOnlyMount, WriteError
 from gpufeed.mount_options import is_writable
 from gpufeed.paths import FileStat, normalize
 
@@ -286,7 +286,7 @@ def log_dir(path: str, client: Client, *, writing: bool) -> str:
             return path  # its first segment makes it
         raise PathNotFound(f"{path}: no such log directory (no segment committed yet?)") from None
     if not stat.is_dir:
-        raise IsADirectory(f"{path}: is a file; a log directory holds segments")
+        raise NotADirectory(f"{path}: is a file; a log directory holds segments")
     return path
 
 

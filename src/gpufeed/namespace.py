@@ -437,11 +437,13 @@ class Namespace:
     # -- writes (recorded by the agent, which stages and uploads them) ----------------------
 
     def writable_target(self, path: str) -> Resolved:
-        """Where a write of `path` goes: a file path in a writable mount, not a directory."""
-        path = normalize(path)
+        """Where a write of `path` goes: a file path in a writable mount, not a directory, and
+        not below a file (the store would take `a.json/x` beside `a.json`, and the manifest,
+        which cannot list a name as both, would hide one of them)."""
+        raw, path = path, normalize(path)
         where = self.resolve(path)
-        if where is None or where.key == "":
-            raise IsADirectory(f"{path}: is a directory")
+        if where is None or where.key == "" or raw.endswith("/"):
+            raise IsADirectory(f"{raw}: is a directory; a write names a file")
         if not is_writable(where.mount):
             why = "a packed mount is read-only" if packed(where.mount) else "mount it with --writable to write"
             raise ReadOnlyMount(f"{path}: mount {where.mount.path} ({where.mount.url}) is read-only: {why}")
@@ -449,6 +451,14 @@ class Namespace:
         entry = self.engine.lookup(where.mount.generation, parent, name)
         if entry is not None and entry.is_dir:
             raise IsADirectory(f"{path}: is a directory")
+        while parent:
+            above, _, folder = parent.rpartition("/")
+            entry = self.engine.lookup(where.mount.generation, above, folder)
+            if entry is not None and not entry.is_dir:
+                raise NotADirectory(f"{path}: {where.mount.path}/{parent} is a file, not a directory")
+            if entry is not None:
+                break  # a directory listed: its parents are directories too
+            parent = above
         return where
 
     def record_written(self, mount_path: str, info: ObjectInfo, *, replacing: ObjectInfo | None = None) -> bool:

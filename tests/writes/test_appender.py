@@ -23,7 +23,7 @@ import gpufeed
 from gpufeed import logs
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
-from gpufeed.errors import InvalidArgument, IsADirectory, PathNotFound, ReadOnlyMount
+from gpufeed.errors import InvalidArgument, NotADirectory, PathNotFound, ReadOnlyMount
 from gpufeed.logs import Appender
 from gpufeed.namespace import Namespace
 from tests.cli.test_cli import gpufeed as gpufeed_cli
@@ -105,7 +105,7 @@ def test_bad_records_and_paths_are_refused(out: Bucket, tmp_path: os.PathLike[st
             log.append("two\nlines")
         log.append("one line")
     assert list(logs.read("/out/x", decode=None)) == [b"one line"], "the refused record is not there"
-    with pytest.raises(IsADirectory, match="is a file"):
+    with pytest.raises(NotADirectory, match="is a file"):
         Appender(logs.segments("/out/x")[0].path)
     with pytest.raises(PathNotFound, match="no mount contains"):
         Appender("/nowhere/logs")

@@ -17,7 +17,7 @@ import pytest
 import gpufeed
 from gpufeed.client.connection import AgentClient, stop_agent
 from gpufeed.config import Settings
-from gpufeed.errors import IsADirectory, PathNotFound, ReadOnlyMount, WriteError
+from gpufeed.errors import IsADirectory, NotADirectory, PathNotFound, ReadOnlyMount, WriteError
 from gpufeed.namespace import Namespace
 from tests.conftest import Bucket
 
@@ -93,6 +93,13 @@ def test_writes_are_refused_where_they_cannot_go(out: Bucket, tmp_path: Path) ->
     gpufeed.write("/out/dir/f", b"1")
     with pytest.raises(IsADirectory):
         gpufeed.open("/out/dir", "wb")
+    with pytest.raises(IsADirectory, match="/out/new/: is a directory; a write names a file"):
+        gpufeed.write("/out/new/", b"x")
+    for below in ("/out/dir/f/x", "/out/dir/f/deeper/x"):
+        with pytest.raises(NotADirectory, match=f"{below}: /out/dir/f is a file, not a directory"):
+            gpufeed.write(below, b"x")
+    assert gpufeed.read("/out/dir/f") == b"1", "the file stays readable"
+    gpufeed.write("/out/dir/g", b"2")  # beside it: fine
     with pytest.raises(ValueError, match="use 'rb' or 'wb'"):
         gpufeed.open("/out/dir/f", "ab")  # type: ignore[call-overload]
     gpufeed.sync()
