@@ -10,6 +10,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 import gpufeed
 from gpufeed.bench.faults import FaultControl
 from gpufeed.client.connection import AgentClient
@@ -58,6 +60,24 @@ def test_acknowledged_writes_survive_the_agent_killed_mid_upload(bucket: Bucket,
     assert all(stored(bucket, key) == body for key, body in bodies.items())
     assert not list(staging.glob("*.json")) and not list(staging.glob("*.data")), "nothing left staged"
     assert gpufeed.stat("/out/batch/0.bin").etag is not None, "the manifest has the store's version"
+
+
+def test_a_write_still_uploading_reads_back_where_the_cache_does_not_keep_it(
+    bucket: Bucket, moto_faults: FaultControl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mount with cache=off, and a cache too small for the file: the store has no copy yet (its
+    upload hangs), so the agent reads the staged bytes for the reader, a read longer than one
+    agent reply (32 MiB) in pieces."""
+    monkeypatch.setenv("GPUFEED_CACHE_SIZE", "2MiB")
+    for path, options in (("/off", {"cache": "off"}), ("/small", {})):
+        Namespace().add_mount(path, bucket.url, {"endpoint": moto_faults.url, **options}, writable=True, allow_empty=True)
+    moto_faults.configure(rates={"stall": 1.0}, stall=60.0, path_filter="held/")
+    body = os.urandom(40 << 20)
+    for path in ("/off/held/a.bin", "/small/held/b.bin"):
+        gpufeed.write(path, body)
+        assert gpufeed.read(path, 5 << 20, 100) == body[5 << 20 : (5 << 20) + 100], path
+        assert gpufeed.read(path) == body, path
+    assert AgentClient(Settings.from_env()).stats().bytes <= 2 << 20, "the small cache kept to its size"
 
 
 def test_a_503_and_reset_mix_still_lands_every_object_whole(bucket: Bucket, moto_faults: FaultControl) -> None:

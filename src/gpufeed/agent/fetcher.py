@@ -99,6 +99,14 @@ class BlockSource(Protocol):
         ...
 
 
+class RangeSource(Protocol):
+    """Somewhere any range of an object can come from ahead of the store, for the reads the
+    cache does not keep (`Fetcher.read_ranges`): writes still uploading (`writer.StagedBlocks`)."""
+
+    async def range(self, group: Group, want: ObjectWant, start: int, end: int) -> memoryview | None:
+        ...
+
+
 class StoreBlocks:
     """The object store itself: the last source in the chain, and the one that always answers.
     Its FETCH_CONCURRENCY slots bound reads of the store only: a read waiting on a peer holds
@@ -133,6 +141,8 @@ class Fetcher:
         self.metrics = metrics
         self.store = StoreBlocks(metrics)
         self.chain: list[BlockSource] = [self.store]
+        self.ranges: list[RangeSource] = []
+        """Asked before the store for `read_ranges`."""
         self.inflight: dict[str, asyncio.Future[Status]] = {}
         """Block (or, for objects fetched whole, object) name → the fetch every other wanter joins."""
         self.busy: set[str] = set()
@@ -354,8 +364,8 @@ class Fetcher:
         )
 
     async def read_ranges(self, groups: list[Group], wanted: list[RangeWant]) -> RangeBytes:
-        """Ranges read from the store as blocks are (`StoreBlocks.range`) and handed back uncached
-        (`ReadRanges`)."""
+        """Ranges read from the store as blocks are (`StoreBlocks.range`), or from a write still
+        uploading (`ranges`), and handed back uncached (`ReadRanges`)."""
         objects = [(self.source(group), group, want) for group in groups for want in group.objects]
         parts: list[bytes | memoryview] = [b""] * len(wanted)
         failures: list[Failure] = []
@@ -368,6 +378,10 @@ class Fetcher:
                 where = f"{want.info.key}: range [{asked.start}, {asked.end})"
                 raise errors.InvalidArgument(f"{where} outside its {want.info.size} bytes")
             try:
+                for staged in self.ranges:
+                    if (data := await staged.range(group, want, asked.start, asked.end)) is not None:
+                        parts[n] = data
+                        return
                 parts[n] = await self.store.range(source, want, group.mount, asked.start, asked.end)
             except errors.GpufeedError as exc:
                 failures.append(Failure(exc.code, str(exc), asked.object))

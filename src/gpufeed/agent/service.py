@@ -127,7 +127,9 @@ class Agent:
                 settings, self.fetcher, config.dirs, self.metrics, self.manager.limit(), self._cluster_stats
             )
         self.uploads = Uploads(settings, config.primary, self.manager, self.metrics)
-        self.fetcher.chain.insert(0, StagedBlocks(self.uploads))  # a write not uploaded yet is read from here
+        staged = StagedBlocks(self.uploads)  # a write not uploaded yet is read from here
+        self.fetcher.chain.insert(0, staged)
+        self.fetcher.ranges.append(staged)
         self.coverage = MountCoverage(settings, config.dirs)
         self.registry = exporter.registry(self.metrics, self.gauges, lambda: self.coverage.latest)
         self._handlers: dict[type, Callable[[Any, Connection], Awaitable[Reply | None]]] = {

@@ -36,7 +36,18 @@ from gpufeed.mount_options import CachePolicy
 from gpufeed.namespace import Namespace
 from gpufeed.paths import normalize
 from gpufeed.processes import alive
-from gpufeed.rpc.messages import Commit, Committed, Credentials, Failure, Remove, SourceSpec, Sync, Synced
+from gpufeed.rpc.messages import (
+    Commit,
+    Committed,
+    Credentials,
+    Failure,
+    Group,
+    ObjectWant,
+    Remove,
+    SourceSpec,
+    Sync,
+    Synced,
+)
 from gpufeed.sources import Source, open_source
 from gpufeed.sources.base import ObjectInfo
 
@@ -345,10 +356,10 @@ class StagedBlocks:
         self.uploads = uploads
 
     async def read(self, job: Job, start: int, end: int) -> memoryview | None:
-        group = job.group
-        if group is None:
-            return None
-        upload = self.uploads.staged(group.source.url, group.source.options, job.want.info)
+        return None if job.group is None else await self.range(job.group, job.want, start, end)
+
+    async def range(self, group: Group, want: ObjectWant, start: int, end: int) -> memoryview | None:
+        upload = self.uploads.staged(group.source.url, group.source.options, want.info)
         if upload is None:
             return None
         return await self.uploads.read(upload, start, end)

@@ -85,18 +85,19 @@ class DirectReads:
     def _ranges(self, ranges: dict[object, tuple[ObjectHandle, int, int]]) -> dict[object, memoryview]:
         """Source reads, up to DIRECT_CONCURRENCY in flight at once (one ranged GET each). A local
         directory's are read one after another in this thread: a page-cache `preadv` costs less
-        than handing it to another thread or an event loop."""
-        got = {key: self._one(handle, start, end) for key, (handle, start, end) in ranges.items() if handle.source.local}
-        remote = [(key, r) for key, r in ranges.items() if not r[0].source.local]
-        if self.agent_ranges and remote and obstore_unusable() and all(e - s <= self.agent_max for _, (_, s, e) in remote):
+        than handing it to another thread or an event loop. The agent reads a write still
+        uploading (from its staged bytes), and every remote range of a forked process."""
+        got: dict[object, memoryview] = {}
+        if self.agent_ranges is not None:
+            forked = obstore_unusable()
+            asked = [(key, r) for key, r in ranges.items() if r[0].uploading or (forked and not r[0].source.local)]
             try:
-                parts = self.agent_ranges([r for _, r in remote])
+                got = self._from_agent(self.agent_ranges, asked) if asked else {}
             except AgentUnavailable:
                 pass  # no agent to ask: the store from here is the only way left
-            else:
-                for (key, (handle, start, end)), data in zip(remote, parts, strict=True):
-                    got[key] = _checked(handle, data, start, end)
-                return got
+        rest = [(key, r) for key, r in ranges.items() if key not in got]
+        got.update((key, self._one(handle, start, end)) for key, (handle, start, end) in rest if handle.source.local)
+        remote = [(key, r) for key, r in rest if not r[0].source.local]
         if len(remote) == 1:
             ((key, (handle, start, end)),) = remote
             got[key] = self._one(handle, start, end)
@@ -107,6 +108,26 @@ class DirectReads:
                 return await asyncio.gather(*(self._one_async(h, start, end, slots) for _, (h, start, end) in remote))
 
             got.update(zip((key for key, _ in remote), run_blocking(gather()), strict=True))
+        return got
+
+    def _from_agent(
+        self, agent_ranges: AgentRanges, asked: list[tuple[object, tuple[ObjectHandle, int, int]]]
+    ) -> dict[object, memoryview]:
+        """The ranges read by the agent, each in pieces of at most `agent_max` bytes (a reply
+        must fit one message) joined again."""
+        pieces = [
+            (key, handle, lo, min(end, lo + self.agent_max))
+            for key, (handle, start, end) in asked
+            for lo in range(start, max(end, start + 1), self.agent_max)
+        ]
+        parts = agent_ranges([(handle, lo, hi) for _, handle, lo, hi in pieces])
+        joined: dict[object, list[memoryview]] = {}
+        for (key, *_), data in zip(pieces, parts, strict=True):
+            joined.setdefault(key, []).append(data)
+        got = {}
+        for key, (handle, start, end) in asked:
+            split = joined[key]
+            got[key] = _checked(handle, split[0] if len(split) == 1 else memoryview(b"".join(split)), start, max(start, end))
         return got
 
     def _one(self, handle: ObjectHandle, start: int, end: int) -> memoryview:

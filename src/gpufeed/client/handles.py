@@ -60,6 +60,14 @@ class ObjectHandle:
         return self.info.size if self.member is None else self.member.size
 
     @property
+    def uploading(self) -> bool:
+        """Whether this is a write of this node the manifest lists with its hash and no store
+        version yet (`agent.writer`): its upload may not have landed, so only the agent, which
+        holds the staged bytes, can read what the cache does not keep."""
+        info = self.info
+        return info.etag is None and info.content_hash is not None and self.member is None and is_writable(self.mount)
+
+    @property
     def listed(self) -> ObjectInfo:
         """The file as the manifest lists it (its own size, mtime and content hash)."""
         return self.info if self.member is None else self.member
