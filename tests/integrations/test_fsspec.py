@@ -74,6 +74,28 @@ def test_writes_pipe_copy_move_and_remove_on_a_writable_mount(tmp_path: Path) ->
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == ["b/one-copy.txt", "b/two.txt"]
 
 
+def test_directories_copy_move_and_remove_recursively(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    Namespace().add_mount("/out", f"file://{out}", writable=True, allow_empty=True)
+    fs = fsspec.filesystem("gpufeed")
+    for name in ("a.txt", "b.txt", "sub/c.txt", "sub/deeper/d.txt"):
+        fs.pipe_file(f"/out/d1/{name}", name.encode())
+    fs.cp("/out/d1", "/out/d2", recursive=True)
+    assert fs.find("/out/d2") == ["/out/d2/a.txt", "/out/d2/b.txt", "/out/d2/sub/c.txt", "/out/d2/sub/deeper/d.txt"]
+    assert fs.cat_file("/out/d2/sub/deeper/d.txt") == b"sub/deeper/d.txt"
+    fs.mv("/out/d2", "/out/d3", recursive=True)
+    assert not fs.exists("/out/d2") and len(fs.find("/out/d3")) == 4
+    with pytest.raises(IsADirectoryError):
+        fs.rm("/out/d1")  # not recursive: refused, nothing removed
+    assert len(fs.find("/out/d1")) == 4
+    fs.rm("/out/d1", recursive=True)
+    fs.rm("/out/d3/sub", recursive=True)
+    assert fs.find("/out") == ["/out/d3/a.txt", "/out/d3/b.txt"]
+    gpufeed.sync("/out")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == ["d3/a.txt", "d3/b.txt"]
+
+
 def test_cat_of_many_files_fetches_their_misses_in_one_request(tmp_path: Path) -> None:
     """fsspec's `cat` and `cat_ranges` read one file after another by default: a round trip to
     the store each. gpufeed's read them as one batch, so a cold set of files costs the agent one

@@ -113,7 +113,10 @@ class GpufeedFileSystem(AbstractFileSystem):
         gpufeed.write(self._strip_protocol(path), value)
 
     def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
-        gpufeed.write(self._strip_protocol(path2), self.cat_file(path1))
+        """A file's bytes under a new path. A directory, which a recursive copy names too, is
+        nothing to copy: an object store's directories are those its keys imply."""
+        if not self.isdir(path1):
+            gpufeed.write(self._strip_protocol(path2), self.cat_file(path1))
 
     def mv(self, path1: str, path2: str, recursive: bool = False, maxdepth: int | None = None, **kwargs: Any) -> None:
         """A file's bytes under a new path (object stores have no rename: a copy, then a delete)."""
@@ -128,6 +131,13 @@ class GpufeedFileSystem(AbstractFileSystem):
 
     def _rm(self, path: str) -> None:
         self.rm_file(path)
+
+    def rm(self, path: str | list[str], recursive: bool = False, maxdepth: int | None = None) -> None:
+        """The files under `path` removed one by one (with `recursive`); each directory goes with
+        its last file. Without `recursive`, a directory is refused, as `rm` refuses one."""
+        paths = self.expand_path(path, recursive=recursive, maxdepth=maxdepth)
+        for one in reversed([p for p in paths if not recursive or not self.isdir(p)]):
+            self.rm_file(one)
 
     def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
         pass
