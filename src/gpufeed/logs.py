@@ -356,11 +356,20 @@ def lines(segment: FileStat) -> list[bytes]:
     return gpufeed.client().read(segment.path).splitlines()
 
 
+def json_or_line(line: bytes) -> Any:
+    """A JSON record decoded; a line that is not JSON (a bytes or str record) as its bytes."""
+    try:
+        return msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return line
+
+
 def read(
-    path: str | os.PathLike[str], *, decode: Callable[[bytes], Any] | None = msgspec.json.decode, suffix: str = SUFFIX
+    path: str | os.PathLike[str], *, decode: Callable[[bytes], Any] | None = json_or_line, suffix: str = SUFFIX
 ) -> Iterator[Any]:
     """Every committed record of log directory `path`, segment by segment in name order (the
-    order of each appender's appends); `decode=None` yields the lines as bytes."""
+    order of each appender's appends), decoded by `decode`; `decode=None` yields the lines as
+    bytes."""
     for segment in segments(path, suffix):
         for line in lines(segment):
             yield line if decode is None else decode(line)

@@ -105,6 +105,7 @@ def test_bad_records_and_paths_are_refused(out: Bucket, tmp_path: os.PathLike[st
             log.append("two\nlines")
         log.append("one line")
     assert list(logs.read("/out/x", decode=None)) == [b"one line"], "the refused record is not there"
+    assert list(logs.read("/out/x")) == [b"one line"], "a line that is not JSON comes back as it was"
     with pytest.raises(NotADirectory, match="is a file"):
         Appender(logs.segments("/out/x")[0].path)
     with pytest.raises(PathNotFound, match="no mount contains"):
