@@ -80,6 +80,22 @@ def test_a_write_still_uploading_reads_back_where_the_cache_does_not_keep_it(
     assert AgentClient(Settings.from_env()).stats().bytes <= 2 << 20, "the small cache kept to its size"
 
 
+def test_a_write_through_that_cannot_reach_the_store_says_the_write_is_kept(
+    bucket: Bucket, moto_faults: FaultControl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() raises, saying the write is kept; once the store is back, `sync` has the upload
+    try again at once, not at the end of its backoff."""
+    monkeypatch.setenv("GPUFEED_RETRY_TIMEOUT", "0.2")  # each upload attempt gives up fast
+    writable_through(moto_faults, bucket)
+    moto_faults.configure(rates={"503": 1.0}, path_filter="through/")
+    with pytest.raises(GpufeedError, match="through/a.bin: written and kept on this node, not in the store yet"):
+        with gpufeed.open("/out/through/a.bin", "wb", sync=True) as f:
+            f.write(b"abc")
+    assert gpufeed.read("/out/through/a.bin") == b"abc", "kept, as the error says"
+    moto_faults.configure(rates={})
+    assert gpufeed.sync("/out") == 1 and stored(bucket, "through/a.bin") == b"abc"
+
+
 def test_a_503_and_reset_mix_still_lands_every_object_whole(bucket: Bucket, moto_faults: FaultControl) -> None:
     writable_through(moto_faults, bucket)
     moto_faults.configure(seed=7, rates={"503": 0.2, "reset": 0.1}, path_filter="mix/")

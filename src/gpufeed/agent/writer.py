@@ -17,6 +17,7 @@ removed once its process is gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -59,7 +60,8 @@ log = logging.getLogger("gpufeed.agent")
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 30.0
 SYNC_GIVES_UP_AFTER = 3
-"""Failed attempts in a row after which `Sync` reports an upload as failing instead of waiting on."""
+"""Failed attempts in a row, counted from when a `Sync` (or a write-through commit) began, after
+which it reports an upload as failing instead of waiting on."""
 
 
 @dataclass
@@ -75,6 +77,8 @@ class Upload:
     checked: bool
     credentials: Credentials = field(default_factory=Credentials)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    retry: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by a `Sync`: the upload tries again now instead of at the end of its backoff."""
     failures: int = 0
     """Failed attempts in a row."""
     last_error: errors.GpufeedError | None = None
@@ -142,8 +146,12 @@ class Uploads:
         if request.sync:
             await self._wait([upload])
             if not upload.done.is_set():
-                assert upload.last_error is not None
-                raise upload.last_error
+                failed = upload.last_error
+                assert failed is not None
+                raise type(failed)(
+                    f"{upload.path}: written and kept on this node, not in the store yet; its upload is "
+                    f"retried in the background ('gpufeed sync' waits for it): {failed}"
+                )
         return Committed(upload.info, upload.done.is_set())
 
     async def sync(self, request: Sync) -> Synced:
@@ -233,7 +241,9 @@ class Uploads:
                 if upload.failures == 1 or upload.failures % 10 == 0:
                     log.warning("upload of %s failed (attempt %d, retrying in %.1f s): %s", upload.path, upload.failures,
                                 delay, exc)
-                await asyncio.sleep(delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(upload.retry.wait(), delay)
+                upload.retry.clear()
                 delay = min(2 * delay, RETRY_MAX_S)
         self.metrics.count("uploads")
         self.metrics.count("upload_bytes", upload.info.size)
@@ -280,9 +290,16 @@ class Uploads:
         self.by_object[upload.identity] = upload
 
     async def _wait(self, uploads: list[Upload]) -> None:
-        """Until each upload is done, or has failed SYNC_GIVES_UP_AFTER times in a row."""
+        """Until each upload is done, or has failed SYNC_GIVES_UP_AFTER more times in a row; one
+        waiting out a backoff tries again at once (the store may be back)."""
+        failed_before = {u.upload_id: u.failures for u in uploads}
+        for upload in uploads:
+            upload.retry.set()
         while True:
-            waiting = [u for u in uploads if not u.done.is_set() and u.failures < SYNC_GIVES_UP_AFTER]
+            waiting = [
+                u for u in uploads
+                if not u.done.is_set() and u.failures - failed_before[u.upload_id] < SYNC_GIVES_UP_AFTER
+            ]
             if not waiting:
                 return
             await asyncio.wait([asyncio.ensure_future(u.done.wait()) for u in waiting], timeout=0.5)
