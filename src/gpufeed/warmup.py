@@ -35,7 +35,9 @@ class Progress:
     bytes: int
     done_files: int = 0
     done_bytes: int = 0
-    skipped_bytes: int = 0
+    fetched_bytes: int = 0
+    """Bytes read from stores for this warmup: whole blocks, so a pack's member costs its
+    shard's block, and a block another member fetched first costs nothing."""
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
 
@@ -49,8 +51,10 @@ class Stopped(KeyboardInterrupt):
 
 
 def files_under(client: Client, paths: Iterable[str]) -> list[FileStat]:
-    """Every file under `paths`, from the manifest, in the order given."""
-    return [item for path in paths for item in client.walk(path)]
+    """Every file under `paths`, from the manifest, in the order given; a file under two of
+    them (a directory and a file in it) once."""
+    files = {item.path: item for path in paths for item in client.walk(path)}
+    return list(files.values())
 
 
 def status_dir(client: Client) -> Path:
@@ -83,6 +87,7 @@ def warm(
     """Fetch every block of `files` through the agent, `concurrency` files at a time; with
     `at_owners`, into the caches of the blocks' owners in the cache cluster (`Client.warm`)."""
     progress = Progress(paths, len(files), sum(f.size for f in files))
+    read_before = client.source_bytes
     status = status_dir(client) / f"{progress.pid}.json"
     lock = threading.Lock()
     written = 0.0
@@ -117,11 +122,11 @@ def warm(
                 progress.done_bytes += size
                 tick()
 
-        cached = client.warm(client.handle(item.path), fetched, at_owners=at_owners)
+        client.warm(client.handle(item.path), fetched, at_owners=at_owners)
         with lock:
             progress.done_files += 1
             progress.done_bytes += item.size - active.pop(number)[1]
-            progress.skipped_bytes += cached
+            progress.fetched_bytes = client.source_bytes - read_before
             tick()
 
     pool = ThreadPoolExecutor(concurrency, thread_name_prefix="gpufeed-warmup")

@@ -4,6 +4,7 @@ through fsspec. Real moto S3 server, real `gpufeed` processes for the CLI contra
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing
 import os
 import random
@@ -70,6 +71,11 @@ def test_pack_mount_every_member_identical(bucket: Bucket) -> None:
     assert "packed 240 files" in out
     ok("mount", "add", "/imnet", packed, *opts(bucket))
     ok("cache", "clear")  # packing cached the raw files' blocks; count only what the packed view reads
+    warmed = json.loads(ok("warmup", "/imnet/train/c1", "-q", "--json"))
+    cached = AgentClient(Settings.from_env()).stats().bytes  # block files: the bytes and their chunk sums
+    assert warmed["bytes"] < warmed["fetched_bytes"] <= cached < 1.01 * warmed["fetched_bytes"], (
+        "what the store sent: the members' whole shard blocks, each once"
+    )
 
     ns = Namespace()
     listed = {f.path.removeprefix("/imnet/"): f for f in ns.walk("/imnet")}

@@ -89,14 +89,15 @@ def warmup(
     except warming.Stopped as stop:
         _stopped(stop, as_json)
     elapsed = time.monotonic() - meter.started
-    fetched = done.done_bytes - done.skipped_bytes
+    fetched = done.fetched_bytes
+    cached = max(0, done.done_bytes - fetched)  # a pack's member costs its shard's whole block: maybe more than it
     if as_json:
         summary = {"files": done.done_files, "bytes": done.done_bytes, "fetched_bytes": fetched, "seconds": round(elapsed, 3)}
         print_json(summary)
         return
     out.print(
         f"warmed {counted(done.done_files, 'file')}, {human_bytes(done.done_bytes)} in {elapsed:.1f} s: "
-        f"fetched {human_bytes(fetched)}, {human_bytes(done.skipped_bytes)} were cached already",
+        f"fetched {human_bytes(fetched)}, {human_bytes(cached)} were cached already",
         highlight=False,
     )
 
