@@ -99,6 +99,9 @@ def test_writes_are_refused_where_they_cannot_go(out: Bucket, tmp_path: Path) ->
         with pytest.raises(NotADirectory, match=f"{below}: /out/dir/f is a file, not a directory"):
             gpufeed.write(below, b"x")
     assert gpufeed.read("/out/dir/f") == b"1", "the file stays readable"
+    with pytest.raises(TypeError, match=r"write\(\) of /out/dir/f: data must be bytes-like, not str \(encode text"):
+        gpufeed.write("/out/dir/f", "text")  # type: ignore[arg-type]
+    assert gpufeed.read("/out/dir/f") == b"1", "the failed write committed nothing"
     gpufeed.write("/out/dir/g", b"2")  # beside it: fine
     with pytest.raises(ValueError, match="use 'rb' or 'wb'"):
         gpufeed.open("/out/dir/f", "ab")  # type: ignore[call-overload]

@@ -58,7 +58,11 @@ class FeedWriter(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         self._check_open()
-        view = memoryview(data).cast("B")
+        try:
+            view = memoryview(data).cast("B")
+        except TypeError:
+            hint = " (encode text first: data.encode())" if isinstance(data, str) else ""
+            raise TypeError(f"write() of {self.path}: data must be bytes-like, not {type(data).__name__}{hint}") from None
         done = 0
         try:
             while done < len(view):

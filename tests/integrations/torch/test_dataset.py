@@ -4,7 +4,7 @@ read path in every DataLoader worker, streaming shards by rank and worker, an S3
 from __future__ import annotations
 
 import pickle
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 from torch.utils.data import DataLoader
@@ -149,7 +149,7 @@ def test_folder_labels_are_the_first_folder_under_the_root(tmp_path: Path) -> No
         (root / "train" / name / f"{name}_boxes.txt").write_bytes(name.encode())
     (root / "README").write_bytes(b"readme")
     Namespace().add_mount("/tiny", f"file://{root}")
-    for given in ("/tiny/train", "/tiny/train/", ["/tiny/train/n01", "/tiny/train/n02"]):
+    for given in ("/tiny/train", "/tiny/train/", PurePosixPath("/tiny/train"), ["/tiny/train/n01", Path("/tiny/train/n02")]):
         data = FeedDataset(given, target="folder")
         assert data.classes == ["n01", "n02"]
         assert [(sample.decode(), label) for sample, label in (data[i] for i in range(len(data)))] == [

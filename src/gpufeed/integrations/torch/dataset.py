@@ -4,7 +4,7 @@ an open+pread and send misses to the node agent."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
@@ -14,7 +14,7 @@ import gpufeed
 from gpufeed.cache.blockfile import as_bytes
 from gpufeed.errors import InvalidArgument
 from gpufeed.integrations.torch.distributed import rank_and_world
-from gpufeed.integrations.torch.index import FileIndex, PathTable
+from gpufeed.integrations.torch.index import FileIndex, PathTable, Roots, roots_of
 from gpufeed.integrations.torch.labels import FolderLabels
 from gpufeed.integrations.torch.order import Shard, non_negative_int, shard_order
 from gpufeed.integrations.torch.prefetching import ProcessPrefetcher
@@ -36,7 +36,7 @@ class FeedDataset(torch.utils.data.Dataset, Generic[T]):
 
     def __init__(
         self,
-        paths_or_dir: str | Sequence[str],
+        paths_or_dir: Roots,
         transform: Callable[[bytes], T] | None = None,
         *,
         target: Callable[[str], Any] | Literal["folder"] | None = None,
@@ -44,7 +44,7 @@ class FeedDataset(torch.utils.data.Dataset, Generic[T]):
         self.index = FileIndex.build(paths_or_dir, gpufeed.client())
         self.transform = transform
         if target == "folder":
-            target = FolderLabels(self.index.paths, paths_or_dir)
+            target = FolderLabels(self.index.paths, roots_of(paths_or_dir))
         elif target is not None and not callable(target):
             raise InvalidArgument(f"target={target!r}: expected a function of the path, or 'folder'")
         self.target: Callable[[str], Any] | None = target
@@ -119,7 +119,7 @@ class FeedIterableDataset(torch.utils.data.IterableDataset, Generic[T]):
 
     def __init__(
         self,
-        paths_or_dir: str | Sequence[str],
+        paths_or_dir: Roots,
         transform: Callable[[bytes], T] | None = None,
         *,
         target: Callable[[str], Any] | Literal["folder"] | None = None,

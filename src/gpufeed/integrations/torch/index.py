@@ -8,6 +8,7 @@ forked workers share the pages and spawn pickles three buffers.
 
 from __future__ import annotations
 
+import os
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from operator import index as as_index
 
 import numpy as np
 
+from gpufeed import arguments
 from gpufeed.client import Client
 from gpufeed.errors import InvalidArgument
 from gpufeed.mount_options import CachePolicy
@@ -55,13 +57,18 @@ class PathTable(Sequence[str]):
         return (self[i] for i in range(len(self)))
 
 
-def _roots(paths_or_dir: str | Sequence[str]) -> list[str]:
-    if isinstance(paths_or_dir, str):
-        return [paths_or_dir]
-    if isinstance(paths_or_dir, Sequence) and all(isinstance(p, str) for p in paths_or_dir):
+Roots = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+"""A dataset's directory, or a list of its files and directories (`FeedDataset`)."""
+
+
+def roots_of(paths_or_dir: Roots) -> list[str]:
+    """A dataset's directory, or its list of files and directories, as namespace paths."""
+    if isinstance(paths_or_dir, str | os.PathLike):
+        return [arguments.path(paths_or_dir, "FeedDataset")]
+    if isinstance(paths_or_dir, Sequence) and all(isinstance(p, str | os.PathLike) for p in paths_or_dir):
         if not paths_or_dir:
             raise InvalidArgument("an empty list of paths: give a namespace directory or at least one file")
-        return list(paths_or_dir)
+        return [arguments.path(p, "FeedDataset") for p in paths_or_dir]
     raise InvalidArgument(f"{paths_or_dir!r}: expected a namespace path or a list of them, e.g. '/data/train'")
 
 
@@ -125,8 +132,8 @@ class FileIndex:
     blocks: np.ndarray
 
     @classmethod
-    def build(cls, paths_or_dir: str | Sequence[str], client: Client) -> FileIndex:
-        roots = _roots(paths_or_dir)
+    def build(cls, paths_or_dir: Roots, client: Client) -> FileIndex:
+        roots = roots_of(paths_or_dir)
         blobs: list[bytes] = []
         ends: list[np.ndarray] = []
         sizes: list[np.ndarray] = []

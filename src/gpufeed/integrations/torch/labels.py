@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from gpufeed.errors import InvalidArgument
 from gpufeed.paths import normalize
@@ -17,8 +17,8 @@ class FolderLabels:
     directly under the root is in no class: refused, never given a class of its own. A plain
     object, so it pickles to spawned DataLoader workers."""
 
-    def __init__(self, paths: Iterable[str], roots: str | Sequence[str]) -> None:
-        self.root = _common_root(roots)
+    def __init__(self, paths: Iterable[str], roots: list[str]) -> None:
+        self.root = posixpath.commonpath([normalize(root) for root in roots])
         self.classes = sorted({self._folder(path) for path in paths})
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
 
@@ -35,8 +35,3 @@ class FolderLabels:
             )
         return folder
 
-
-def _common_root(roots: str | Sequence[str]) -> str:
-    if isinstance(roots, str):
-        return normalize(roots)
-    return posixpath.commonpath([normalize(root) for root in roots])
