@@ -98,7 +98,8 @@ class Namespace:
         """Validate, list the source once into a manifest, then record the mount. A local path
         is taken as the file:// URL it means. `checksums` names a sha256sum/md5sum file whose
         hashes the entries carry. An empty listing is refused (most often a typo in the prefix)
-        unless `allow_empty`; nothing is recorded. `listed` hears the counts so far while the
+        unless `allow_empty` or `writable` (where a job's output goes, empty at first); nothing
+        is recorded. `listed` hears the counts so far while the
         listing runs."""
         path = normalize(path)
         url = as_url(url)
@@ -135,7 +136,7 @@ class Namespace:
         mount = replace(mount, options={**source.options, **cache_options})
 
         def refuse_empty(stats: ManifestStats) -> None:
-            if stats.files == 0 and not allow_empty:
+            if stats.files == 0 and not allow_empty and not is_writable(mount):
                 if fmt != "files":  # shards were found, or their reader would have said what is missing
                     raise MountError(f"{url}: its {fmt} shards hold no members (--allow-empty mounts it anyway)")
                 from gpufeed.sources.stores import nearest_prefix
