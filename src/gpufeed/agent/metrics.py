@@ -85,8 +85,8 @@ class Metrics:
         self.hit_bytes: Counter[tuple[str, str]] = Counter()
         self.misses: Counter[tuple[str, str]] = Counter()
         """(mount, tier) → blocks fetched after a miss, by where from: "store", "peer" (another
-        node of the cache cluster, `agent.peers`), or "direct" (pieces a reader read from the
-        store itself, past the cache: a mount with cache=off, a cache full; readers report them)."""
+        node of the cache cluster, `agent.peers`), or "direct" (reads a reader made of the store
+        itself, past the cache: a mount with cache=off, a full cache, `verify`; they report them)."""
         self.miss_bytes: Counter[tuple[str, str]] = Counter()
         self.stall_s: defaultdict[str, float] = defaultdict(float)
         """mount → seconds readers' reads waited on misses (the agent or the store), all readers summed."""

@@ -279,10 +279,6 @@ class Client:
                         pass  # evicted already (quota smaller than the working set): read through
         if absent:
             pieces.update(self.direct.many({key: (reads[key[0]][0], lo, hi) for key, (lo, hi) in absent.items()}))
-            for (n, _), (lo, hi) in absent.items():
-                tally = reads[n][0].tally
-                tally.direct += 1
-                tally.direct_bytes += hi - lo
         if waiting_on:
             self.hits.stalled(waiting_on, time.monotonic() - started)
         return [self._joined(pieces, n, handle, start, end) for n, (handle, start, end) in enumerate(reads)]

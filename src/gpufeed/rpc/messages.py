@@ -119,8 +119,8 @@ class Cancel(msgspec.Struct, tag="cancel"):
 class Served(msgspec.Struct, array_like=True):
     """What one process's reads of one mount did since its last report: hits it served from the
     cache itself, their bytes, the wall time its reads spent waiting on misses (stall), and the
-    pieces it read from the store itself, past the cache (a mount with cache=off, a full cache),
-    and their bytes."""
+    reads it made of the store itself, past the cache (a mount with cache=off, a full cache,
+    `verify`), and their bytes."""
 
     mount: str
     hits: int
