@@ -62,6 +62,16 @@ def _positive_env(name: str, default: float) -> float:
     return value
 
 
+def _fraction_env(name: str, default: float) -> float:
+    """A share in [0, 1): keeping the whole disk free (or more) would cache nothing, unsaid."""
+    value = _float_env(name, default)
+    if not 0 <= value < 1:  # NaN too
+        from gpufeed.errors import InvalidArgument
+
+        raise InvalidArgument(f"environment variable {name}={os.environ[name]!r} must be a fraction in [0, 1), e.g. 0.1")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     """Resolved configuration.
@@ -150,7 +160,7 @@ class Settings:
             retry_timeout=_float_env("GPUFEED_RETRY_TIMEOUT", 15.0),
             cache_dirs=tuple(Path(d).expanduser() for d in dirs.split(":") if d) if dirs else (home / "cache",),
             cache_size=parse_size(os.environ.get("GPUFEED_CACHE_SIZE") or "100GiB", "GPUFEED_CACHE_SIZE"),
-            cache_free_ratio=_float_env("GPUFEED_CACHE_FREE_RATIO", 0.1),
+            cache_free_ratio=_fraction_env("GPUFEED_CACHE_FREE_RATIO", 0.1),
             block_size=parse_size(os.environ.get("GPUFEED_BLOCK_SIZE") or "4MiB", "GPUFEED_BLOCK_SIZE"),
             verify=parse_verify(os.environ.get("GPUFEED_VERIFY") or "always", "GPUFEED_VERIFY"),
             agent_idle_timeout=_float_env("GPUFEED_AGENT_IDLE_TIMEOUT", 300.0),

@@ -183,6 +183,9 @@ def test_bad_numbers_are_refused(dataset: Path) -> None:
     for name, value in refusals:
         refused = fails(2, "mount", "ls", env={name: value})
         assert f"{name}='{value}' must be a number of seconds above 0" in refused
+    for ratio in ("1", "2", "-0.1"):
+        refused = fails(2, "mount", "ls", env={"GPUFEED_CACHE_FREE_RATIO": ratio})
+        assert f"GPUFEED_CACHE_FREE_RATIO='{ratio}' must be a fraction in [0, 1)" in refused, "it would cache nothing, unsaid"
 
 
 def test_sync_of_a_path_no_mount_holds_is_refused() -> None:

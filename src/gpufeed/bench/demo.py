@@ -158,7 +158,8 @@ def run_demo(
     with interruptible(), scratch_dir("gpufeed-demo-") as tmp:
         data = tmp / "resnet50"
         written = generate(work, f"file://{data}")
-        progress(f"wrote {written.files} files, {written.bytes / 2**20:,.0f} MiB to {data} in {written.seconds:.1f} s")
+        files = f"{written.files:,} file{'s' if written.files != 1 else ''}"
+        progress(f"wrote {files}, {written.bytes / 2**20:,.0f} MiB to {data} in {written.seconds:.1f} s")
         config = BenchConfig(
             work,
             f"file://{data}",

@@ -15,7 +15,7 @@ import typer
 from gpufeed.bench.modes import DEFAULT_MODES, MODES, parse_modes
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS
 from gpufeed.bench.workloads import WORKLOADS, Workload, workload
-from gpufeed.cli.console import command_group, err, human_bytes, out, print_json
+from gpufeed.cli.console import command_group, counted, err, human_bytes, out, print_json
 from gpufeed.cli.progress import Meter
 from gpufeed.errors import GpufeedError, InvalidArgument
 
@@ -174,7 +174,7 @@ def generate(
     with Meter("generate", work.files, quiet=quiet) as meter:
         result = write_dataset(work, dest, parse_options(opt), seed=seed, written=meter.update)
     out.print(
-        f"wrote {result.files} {work.format} files, {human_bytes(result.bytes)} "
+        f"wrote {counted(result.files, f'{work.format} file')}, {human_bytes(result.bytes)} "
         f"({work.files * work.samples_per_file} samples) to {result.url} in {result.seconds:.1f} s",
         markup=False,
         highlight=False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from gpufeed.cli.console import command_group, human_bytes, out, print_json
+from gpufeed.cli.console import command_group, counted, human_bytes, out, print_json
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, InvalidArgument
 
@@ -52,7 +52,7 @@ def status(
                 "-" if ratio is None else f"{ratio:.1%}", human_bytes(node.get("store_bytes", 0)),
                 human_bytes(node.get("peer_bytes", 0)), human_bytes(node.get("served_bytes", 0)), f"{node['served_share']:.0%}",
             )
-        out.print(f"cluster {url.rsplit('@', 1)[-1]}: {len(nodes)} live nodes", highlight=False)
+        out.print(f"cluster {url.rsplit('@', 1)[-1]}: {counted(len(nodes), 'live node')}", highlight=False)
         out.print(table)
     if not nodes:
         raise typer.Exit(1)
