@@ -68,6 +68,9 @@ class Prepared:
     source_bytes: Callable[[], int] | None = None
     """Where readers alone cannot see every source byte (the agent fetches blocks on its own),
     the agent's total so far; epochs then report its growth plus the readers' own reads."""
+    start: Callable[[], object] | None = None
+    """Run as epoch 1's clock starts: what must not get a head start on the job (a mount
+    whose background warmup begins with it)."""
 
 
 @dataclass(frozen=True)
@@ -255,13 +258,19 @@ def _copy(run: RunContext) -> Iterator[Prepared]:
 # -- cached: the same read path with the node cache on -----------------------------------------
 
 
+def _cold_agent(client: Client) -> None:
+    """Start the run's private agent, as a node's agent runs before a job does (its start-up
+    is not the cold epoch's), with an empty cache: the modes of one run share it, and blocks
+    are named by the store's object, not the mount, so a mode run after another would start
+    warm."""
+    client.agent.clear()
+
+
 @contextmanager
 def _cached(run: RunContext) -> Iterator[Prepared]:
-    """Epoch 1 starts cold (the run's home, so its cache, is new) with sampler-aware prefetch:
-    the agent fetches the samples the workers will read next, in the epoch's order; later
-    epochs are warm. The agent is started first, as a node's agent runs before a job does: its
-    start-up is not the cold epoch's. The run's private agent is stopped before its cache dir
-    is removed."""
+    """Epoch 1 starts cold (`_cold_agent`) with sampler-aware prefetch: the agent fetches the
+    samples the workers will read next, in the epoch's order; later epochs are warm. The run's
+    private agent is stopped before its cache dir is removed."""
     from gpufeed.client import Client
     from gpufeed.client.connection import stop_agent
     from gpufeed.prefetch import Prefetcher, Read
@@ -278,7 +287,7 @@ def _cached(run: RunContext) -> Iterator[Prepared]:
         )
 
     try:
-        client.agent.stats()
+        _cold_agent(client)
 
         def fetched() -> int:
             return client.agent.stats().bytes_fetched
@@ -298,7 +307,8 @@ def _fuse(run: RunContext) -> Iterator[Prepared]:
     """The mode's mount served by `gpufeed fuse` (background warmup on, as it is by default);
     workers open and pread files at the mountpoint as a script that knows nothing of gpufeed
     does. With the mount's cache off (`fuse-direct`) it is a plain FUSE view of the store:
-    seed 003's comparison of a FUSE mount of the remote against the cached mount."""
+    seed 003's comparison of a FUSE mount of the remote against the cached mount. The mount
+    is made as epoch 1 starts, so its warmup gets no head start on the job's clock."""
     from gpufeed.client import Client
     from gpufeed.client.connection import stop_agent
     from gpufeed.integrations import fuse_mounts
@@ -311,10 +321,13 @@ def _fuse(run: RunContext) -> Iterator[Prepared]:
     point.mkdir()
     fuse_mounts.check(run.settings, point)
     try:
-        client.agent.stats()  # the node's agent runs before the job, as in `cached`
-        fuse_mounts.start(run.settings, point, nspath, warmup=True)
+        _cold_agent(client)
         local = tuple(str(point / path[len(nspath) + 1 :]) for path in run.dataset.paths)
-        yield Prepared(LocalReaderSpec(local), source_bytes=lambda: client.agent.stats().bytes_fetched)
+        yield Prepared(
+            LocalReaderSpec(local),
+            source_bytes=lambda: client.agent.stats().bytes_fetched,
+            start=lambda: fuse_mounts.start(run.settings, point, nspath, warmup=True),
+        )
     finally:
         if point in fuse_mounts.mounted():
             fuse_mounts.stop(run.settings, point)

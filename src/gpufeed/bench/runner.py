@@ -144,6 +144,8 @@ def run_mode(mode: Mode, run: RunContext, config: BenchConfig) -> ModeResult:
         with loader:
             for epoch in range(1, epochs_to_run + 1):
                 fetched = prepared.source_bytes() if prepared.source_bytes else 0
+                if epoch == 1 and prepared.start is not None:
+                    prepared.start()
                 result = train_epoch(mode.name, loader, epoch, work, run.dataset.record_size)
                 if prepared.source_bytes:
                     result = replace(result, source_bytes=result.source_bytes + prepared.source_bytes() - fetched)
