@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import gpufeed
+from gpufeed.config import Settings
 from gpufeed.errors import (
     InvalidArgument,
     IsADirectory,
@@ -21,7 +22,7 @@ from gpufeed.errors import (
     PathNotFound,
     SourceUnreachable,
 )
-from gpufeed.mount_options import parse_options
+from gpufeed.mount_options import CachePolicy, parse_options
 from gpufeed.namespace import Namespace
 from gpufeed.paths import normalize
 from tests.conftest import Bucket
@@ -203,6 +204,22 @@ def test_a_file_named_as_a_directory_is_refused(namespace: Namespace, dataset: P
     assert namespace.stat("/data/train/").is_dir, "a directory may be named so"
     assert [s.path for s in namespace.ls("/data/train/")] == ["/data/train/cats", "/data/train/dogs"]
     assert namespace.open_object("/data/README")[2].size == 7
+
+
+def test_the_default_block_size_is_recorded_when_a_mount_is_added(dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readers with another GPUFEED_BLOCK_SIZE name the mount's blocks alike: the cache is not
+    split in two, and cluster nodes agree on the owners."""
+    monkeypatch.setenv("GPUFEED_BLOCK_SIZE", "64KiB")
+    adding = Namespace(Settings.from_env())
+    assert adding.add_mount("/data", f"file://{dataset}")[0].options["block_size"] == "64KiB"
+    assert adding.add_mount("/big", f"file://{dataset}/train", {"block_size": "8MiB"})[0].options["block_size"] == "8MiB"
+    monkeypatch.setenv("GPUFEED_BLOCK_SIZE", "1MiB")
+    settings = Settings.from_env()
+    assert CachePolicy.of(Namespace(settings).mount("/data"), settings).block_size == 64 << 10
+    with monkeypatch.context() as bad:
+        bad.setenv("GPUFEED_BLOCK_SIZE", "3")
+        with pytest.raises(InvalidArgument, match="GPUFEED_BLOCK_SIZE '3': a block size must be between 4KiB and 1GiB"):
+            Settings.from_env()
 
 
 @pytest.mark.parametrize("bad", ["relative/path", "", "/a\0b"])

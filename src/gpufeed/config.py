@@ -29,6 +29,26 @@ def parse_size(text: str, what: str = "size") -> int:
     return int(float(match.group(1)) * unit)
 
 
+def parse_block_size(text: str, what: str) -> int:
+    """A block size the cache supports."""
+    from gpufeed.blocks import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+
+    size = parse_size(text, what)
+    if not MIN_BLOCK_SIZE <= size <= MAX_BLOCK_SIZE:
+        from gpufeed.errors import InvalidArgument
+
+        raise InvalidArgument(f"{what} {text!r}: a block size must be between 4KiB and 1GiB")
+    return size
+
+
+def size_text(size: int) -> str:
+    """`size` as `parse_size` reads it, in the largest binary unit that divides it: 4MiB."""
+    for unit, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if size % unit == 0:
+            return f"{size // unit}{name}"
+    return str(size)
+
+
 def parse_quota(text: str, what: str) -> int:
     """A cache quota: a size above zero (a mount reads without caching with cache=off)."""
     size = parse_size(text, what)
@@ -86,7 +106,8 @@ class Settings:
         the node agent that owns them all.
     cache_size: `GPUFEED_CACHE_SIZE` quota, default 100GiB, always bounded by free space.
     cache_free_ratio: `GPUFEED_CACHE_FREE_RATIO`, fraction of the filesystem kept free (0.1).
-    block_size: `GPUFEED_BLOCK_SIZE` default block size of new mounts (4MiB).
+    block_size: `GPUFEED_BLOCK_SIZE` default block size of new mounts (4MiB), recorded in the
+        mount when it is added, so every reader of it names its blocks alike.
     verify: `GPUFEED_VERIFY` = always | never: checksum every cached read, or trust the disk.
     agent_idle_timeout: seconds an auto-started agent waits with no clients before it exits
         (`GPUFEED_AGENT_IDLE_TIMEOUT`, 300).
@@ -161,7 +182,7 @@ class Settings:
             cache_dirs=tuple(Path(d).expanduser() for d in dirs.split(":") if d) if dirs else (home / "cache",),
             cache_size=parse_size(os.environ.get("GPUFEED_CACHE_SIZE") or "100GiB", "GPUFEED_CACHE_SIZE"),
             cache_free_ratio=_fraction_env("GPUFEED_CACHE_FREE_RATIO", 0.1),
-            block_size=parse_size(os.environ.get("GPUFEED_BLOCK_SIZE") or "4MiB", "GPUFEED_BLOCK_SIZE"),
+            block_size=parse_block_size(os.environ.get("GPUFEED_BLOCK_SIZE") or "4MiB", "GPUFEED_BLOCK_SIZE"),
             verify=parse_verify(os.environ.get("GPUFEED_VERIFY") or "always", "GPUFEED_VERIFY"),
             agent_idle_timeout=_float_env("GPUFEED_AGENT_IDLE_TIMEOUT", 300.0),
             open_blocks=int(_float_env("GPUFEED_OPEN_BLOCKS", 4096)),

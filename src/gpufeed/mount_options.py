@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpufeed.config import Settings, parse_size, parse_verify
+from gpufeed.config import Settings, parse_block_size, parse_verify
 from gpufeed.errors import InvalidArgument
 from gpufeed.meta import Mount
 
@@ -30,9 +30,8 @@ class CachePolicy:
         cache = options.get("cache", "on")
         if cache not in ("on", "off"):
             raise InvalidArgument(f"{mount.path}: option cache={cache!r}: expected on or off")
-        block_size = parse_size(options["block_size"], "option block_size") if "block_size" in options else settings.block_size
-        if not 4096 <= block_size <= 1 << 30:
-            raise InvalidArgument(f"{mount.path}: block_size {block_size} must be between 4KiB and 1GiB")
+        given = options.get("block_size")
+        block_size = settings.block_size if given is None else parse_block_size(given, f"{mount.path}: option block_size")
         verify = parse_verify(options["verify"], "option verify") if "verify" in options else settings.verify
         copies = options.get("copies", "local")
         if copies not in ("local", "owner-only"):

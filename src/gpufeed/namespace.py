@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gpufeed.config import Settings
+from gpufeed.config import Settings, size_text
 from gpufeed.errors import (
     InvalidArgument,
     IsADirectory,
@@ -112,7 +112,9 @@ class Namespace:
             raise InvalidArgument(f"--max-age {max_age}: must be a number of seconds >= 0")
         options = {**(options or {}), **({"writable": "true"} if writable else {})}
         mount = Mount(path, url, options, immutable=immutable, max_age=max_age)
-        CachePolicy.of(mount, self.settings)
+        policy = CachePolicy.of(mount, self.settings)
+        if "block_size" not in options:  # the default of this process, for every reader of the mount
+            mount = replace(mount, options={**options, "block_size": size_text(policy.block_size)})
         if mount.options.get("writable", "false") not in ("true", "false"):
             raise InvalidArgument(f"{path}: option writable={mount.options['writable']!r}: expected true or false")
         if is_writable(mount) and url.startswith(("http://", "https://")):
