@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+import urllib.request
 from pathlib import Path
 
+from gpufeed.client.connection import AgentClient
+from gpufeed.config import Settings
 from tests.cli.test_cli import fails, gpufeed, ok
+from tests.conftest import free_port
+from tests.writes.test_faults import killed
 
 
 def test_agent_lifecycle_and_cache_commands(dataset: Path, gpufeed_home: Path) -> None:
@@ -61,4 +66,23 @@ def test_an_agent_started_for_other_dirs_says_how_readers_reach_it(gpufeed_home:
     assert "stopped agent" in ok("agent", "stop", env={"GPUFEED_CACHE_DIRS": str(other)})
     plain = gpufeed("agent", "start")
     assert plain.returncode == 0 and plain.stderr == "", "the readers' own agent: no note"
+    ok("agent", "stop")
+
+
+def test_an_agent_killed_comes_back_as_it_was_started(dataset: Path, gpufeed_home: Path) -> None:
+    """The reader that finds the agent gone starts the service `agent start` made, not one with
+    the reader's own settings; `agent stop` ends the service."""
+    port, other = free_port(), free_port()
+    ok("agent", "start", "--cache-size", "20MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    ok("mount", "add", "/data", f"file://{dataset}")
+    killed(AgentClient(Settings.from_env()).stats(start=False).pid)
+    assert ok("cat", "/data/README") == "readme\n"  # starts it again
+    assert "with a 20.0 MiB quota" in ok("agent", "status")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert b"gpufeed_hits_total" in reply.read()
+    assert f"not --metrics-addr 127.0.0.1:{other}" in fails(1, "agent", "start", "--metrics-addr", f"127.0.0.1:{other}")
+    assert "already serves" in ok("agent", "start", "--metrics-addr", f"127.0.0.1:{port}")
+    ok("agent", "stop")
+    assert ok("cat", "/data/README") == "readme\n"  # a reader's own agent now
+    assert "20.0 MiB" not in ok("agent", "status")
     ok("agent", "stop")

@@ -91,13 +91,25 @@ def _cluster(cluster: str | None, peer_addr: str | None, advertise: str | None, 
 
 
 def _differences(asked: Asked, settings: Settings, hello: AgentInfo) -> list[str]:
-    """What the command line asked for that the running agent does not have."""
+    """What the command line asked for that the running agent does not have. Its metrics
+    address and cluster flags are those `agent start` gave it; an agent a reader started on
+    demand has its reader's, which are not known here, so asking for any differs."""
+    from gpufeed.client import agent_service
+    from gpufeed.client.connection import agent_command
+
     differ = []
     if asked.cache_size and hello.quota != settings.cache_size:
         differ.append(f"--cache-size {human_bytes(settings.cache_size)}")
     dirs = [str(d) for d in settings.cache_dirs]
     if asked.cache_dirs and hello.dirs != dirs:
         differ.append(f"--cache-dir {' '.join(dirs)}")
+    running = agent_service.remembered(settings.cache_dirs[0])
+    wanted = agent_command(settings, None)
+    given = [("--metrics-addr", asked.metrics_addr)] + [(flag, text) for flag, text in asked.cluster]
+    for name, text in given:
+        value = agent_service.flag(wanted, name)
+        if text is not None and (running is None or agent_service.flag(running, name) != value):
+            differ.append(f"{name} {value}")
     return differ
 
 
@@ -153,9 +165,10 @@ def start(
     weight: str | None = WeightOption,
 ) -> None:
     """Start a background agent (no idle timeout) unless one is running; fails when one runs
-    with another quota or other dirs than --cache-size/--cache-dir ask for. A running agent
-    keeps the metrics address and log format it started with."""
-    from gpufeed.client.connection import AgentClient, connect
+    with another quota, dirs, metrics address or cluster settings than the flags ask for. A
+    reader that finds it gone (killed) starts it again with these settings (`agent_service`)."""
+    from gpufeed.client import agent_service
+    from gpufeed.client.connection import AGENT_ENTRY, AgentClient, agent_command, connect
 
     joins = _cluster(cluster, peer_addr, advertise, replicas, weight)
     asked = _asked(ctx, cache_dir, cache_size, metrics_addr, log_format, joins)
@@ -169,7 +182,9 @@ def start(
         advice = "to change its settings, stop it first with 'gpufeed agent stop'"
         out.print(f"{_already(hello)}; {advice}", highlight=False, soft_wrap=True)
         return
+    agent_service.forget(settings.cache_dirs[0])  # a service that died: these flags replace its own
     agent.start(None).close()
+    agent_service.remember(settings.cache_dirs[0], agent_command(settings, None)[len(AGENT_ENTRY) :])
     where = ""
     if settings.metrics_addr:
         host, port = parse_addr(settings.metrics_addr)

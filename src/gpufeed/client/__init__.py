@@ -1,7 +1,8 @@
 """The reading side of the one read path: `reader` (Client: path → handle → hit, agent fetch or
 source ranges), `handles` (path → object pinned at its listed version, and its blocks),
 `fetches` (what the agent is asked to fetch), `direct` (reads straight from a store), `plan`
-(pure: ranges → block pieces), `connection` (the agent socket), `file` (the file object),
+(pure: ranges → block pieces), `connection` (the agent socket), `agent_service` (the agent
+`agent start` made, started again the same after a crash), `file` (the file object),
 `writer` (a file being written: staged for the agent to upload).
 
 The classes below are imported on first use, so a process that only talks to the agent

@@ -24,6 +24,7 @@ from typing import TypeVar
 
 import msgspec
 
+from gpufeed.client import agent_service
 from gpufeed.config import Settings, cluster_argv
 from gpufeed.errors import GpufeedError, from_code
 from gpufeed.rpc import codec
@@ -58,9 +59,12 @@ class AgentUnavailable(GpufeedError):
     """No agent could be reached or started for a cache dir."""
 
 
+AGENT_ENTRY = (sys.executable, "-m", "gpufeed.agent")
+"""The agent's own entry point: it loads no CLI."""
+
+
 def agent_command(settings: Settings, idle_timeout: float | None) -> list[str]:
-    """The agent's own entry point: it loads no CLI."""
-    argv = [sys.executable, "-m", "gpufeed.agent"]
+    argv = [*AGENT_ENTRY]
     for directory in settings.cache_dirs:
         argv += ["--cache-dir", str(directory)]
     argv += ["--cache-size", str(settings.cache_size)]
@@ -74,12 +78,16 @@ def agent_command(settings: Settings, idle_timeout: float | None) -> list[str]:
 
 
 def spawn_agent(settings: Settings, idle_timeout: float | None) -> subprocess.Popen:
-    """Start an agent in its own session, logging to agent.log in the primary cache dir."""
+    """Start an agent in its own session, logging to agent.log in the primary cache dir: the
+    service `agent start` made for that dir, if it made one (`agent_service`), else one with
+    these settings."""
     primary = settings.cache_dirs[0]
     primary.mkdir(mode=0o700, parents=True, exist_ok=True)
+    service = agent_service.remembered(primary)
+    argv = agent_command(settings, idle_timeout) if service is None else [*AGENT_ENTRY, *service]
     with open(primary / "agent.log", "ab") as log:
         return subprocess.Popen(
-            agent_command(settings, idle_timeout),
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -430,6 +438,7 @@ def stop_agent(settings: Settings, timeout: float = 10.0) -> int | None:
     refuses this one's messages (or whose cache dir is gone), is sent SIGTERM by the pid the
     kernel gives for its socket."""
     agent = AgentClient(settings)
+    agent_service.forget(settings.cache_dirs[0])
     pid: int | None
     try:
         pid = agent.stats(start=False).pid
