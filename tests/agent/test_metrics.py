@@ -19,11 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import gpufeed
 from gpufeed.bench.children import free_port, helper
+from gpufeed.client import Client
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
 from gpufeed.namespace import Namespace
 from gpufeed.rpc.messages import Metrics, MetricsText
 from tests.conftest import need_binary
+from tests.writes.test_appender import eventually
 
 PROMETHEUS = "/usr/bin/prometheus"
 """Debian's package puts it here; scripts/test installs it when missing."""
@@ -134,6 +136,23 @@ def test_prometheus_scrapes_the_hits_and_misses_the_reads_caused(
     assert float(result[0]["value"][1]) == hits
     assert float(query(server, 'gpufeed_misses_total{mount="/data"}')[0]["value"][1]) == misses
     assert query(server, 'up{job="gpufeed"}')[0]["value"][1] == "1"
+
+
+def test_hits_of_a_reader_that_stopped_reading_reach_the_agent(data: dict[str, bytes]) -> None:
+    """A paused loop or an idle FUSE daemon leaves hits unreported, as reports ride on reads:
+    they are sent within IDLE_REPORT_S all the same, the reader still open."""
+    warming = Client()
+    for name in data:
+        warming.read(f"/data/{name}")
+    warming.close()
+    agent = AgentClient(Settings.from_env())
+    before = agent.stats().hits
+    reader = Client()
+    for _ in range(3):
+        for name, body in data.items():
+            assert reader.read(f"/data/{name}") == body
+    eventually(lambda: agent.stats().hits == before + 3 * FILES, "every hit of the idle reader reported")
+    reader.close()
 
 
 def test_reads_past_the_cache_count_as_direct_misses(data: dict[str, bytes], tmp_path: Path) -> None:

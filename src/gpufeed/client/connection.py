@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,6 +49,9 @@ R = TypeVar("R", bound=msgspec.Struct)
 HIT_REPORT_BATCH = 128
 HIT_REPORT_INTERVAL_S = 0.25
 HIT_CHECK_EVERY = 32
+IDLE_REPORT_S = 1.0
+"""How often hits left unreported are sent once a reader's reads stop coming (a paused training
+loop, an idle FUSE daemon): reports otherwise ride on the reads themselves."""
 START_TIMEOUT_S = 20.0
 START_BACKOFF_S = 10.0
 ATTEMPTS = 4
@@ -343,6 +347,10 @@ class HitReporter:
         """Mount path → its tally; handles hold theirs (`ObjectHandle.tally`)."""
         self._sent = time.monotonic()
         self._lock = threading.Lock()
+        self._watched_in = 0
+        """The process whose thread sends idle reports (`_watch`): a forked child starts its own."""
+        self._closed = False
+        _REPORTERS.add(self)
 
     def tally(self, mount: str) -> Tally:
         found = self.tallies.get(mount)
@@ -382,10 +390,29 @@ class HitReporter:
     def check(self) -> None:
         """Every HIT_CHECK_EVERY hits: send them when the batch is full or the last report is old."""
         self.every_check()
+        if self._watched_in != os.getpid():
+            self._watch()
         if len(self.names) >= HIT_REPORT_BATCH or time.monotonic() - self._sent > HIT_REPORT_INTERVAL_S:
             self.flush(wait=False)
         else:
             self.due = len(self.names) + HIT_CHECK_EVERY
+
+    def _watch(self) -> None:
+        """Start this process's thread that sends what an idle reader leaves unreported. It
+        holds the reporter weakly and ends with it, or when it is closed."""
+        self._watched_in = os.getpid()
+        threading.Thread(target=_report_when_idle, args=(weakref.ref(self),), name="gpufeed-hit-reports", daemon=True).start()
+
+    def report_if_idle(self) -> None:
+        if time.monotonic() - self._sent > IDLE_REPORT_S and (
+            self.names or self.read or any(t.hits or t.stall_s or t.direct for t in list(self.tallies.values()))
+        ):
+            self.flush(wait=False)
+
+    def close(self) -> None:
+        """Report what is pending, and stop the idle reports."""
+        self._closed = True
+        self.flush()
 
     def flush(self, *, wait: bool = True) -> None:
         """Report the pending hits. The read path does not wait for the agent to take them
@@ -408,6 +435,29 @@ class HitReporter:
                     self.agent.notify(Hits(names, served=served, read=others))
             except AgentUnavailable:
                 pass  # only eviction hints and counts are lost
+
+
+_REPORTERS: weakref.WeakSet[HitReporter] = weakref.WeakSet()
+
+
+def _report_when_idle(reporter_ref: weakref.ref[HitReporter]) -> None:
+    while True:
+        time.sleep(IDLE_REPORT_S)
+        reporter = reporter_ref()
+        if reporter is None or reporter._closed:
+            return
+        reporter.report_if_idle()
+        del reporter
+
+
+def _after_fork_in_child() -> None:
+    """A thread of the parent may have held a reporter's lock as it forked; it does not exist in
+    the child, which would wait on that lock for ever."""
+    for reporter in list(_REPORTERS):
+        reporter._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def gone(pid: int) -> bool:

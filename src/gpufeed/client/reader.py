@@ -90,7 +90,7 @@ class Client:
         return self.direct.bytes
 
     def close(self) -> None:
-        self.hits.flush()
+        self.hits.close()
         self.agent.close()
         self.namespace.close()
 
