@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import gpufeed
 from gpufeed.namespace import Namespace
 from tests.cli.test_cli import fails, ok
 
@@ -61,3 +63,14 @@ def test_top_once_json_shows_the_reading_process_and_its_rates(tmp_path: Path) -
     assert 'gpufeed_misses_total{mount="/data",tier="store"} 12.0' in text
     view = ok("top", "--once", "--interval", "0.1")
     assert "/data" in view and "hit ratio" in view
+
+
+def test_a_table_piped_is_not_cut_to_80_columns(tmp_path: Path) -> None:
+    (tmp_path / "a.bin").write_bytes(b"a")
+    long = "/" + "d" * 90
+    Namespace().add_mount(long, f"file://{tmp_path}")
+    assert gpufeed.read(f"{long}/a.bin") == b"a"
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    piped = subprocess.run([sys.executable, "-m", "gpufeed", "top", "--once", "--interval", "0.1"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    assert piped.returncode == 0 and long in piped.stdout, piped.stdout

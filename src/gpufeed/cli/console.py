@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -12,10 +13,21 @@ from rich.console import Console
 
 from gpufeed.errors import WriteError
 
-out = Console(markup=False, highlight=False, soft_wrap=True)
+PIPED_WIDTH = 240
+"""The width tables are laid out in when the output is not a terminal (a pipe, a log)."""
+
+
+def _width(stream: Any) -> int | None:
+    """A table piped or logged keeps its addresses and paths whole: rich would fit it to 80
+    columns. On a terminal (or with COLUMNS set), the terminal's width."""
+    terminal = getattr(stream, "isatty", None)
+    return None if os.environ.get("COLUMNS") or (terminal is not None and terminal()) else PIPED_WIDTH
+
+
+out = Console(markup=False, highlight=False, soft_wrap=True, width=_width(sys.stdout))
 """Plain text: a path or URL with brackets in it is printed as it is (rich markup would take
 `[/x]` for a closing tag and fail), and a line piped to a script is not broken at 80 columns."""
-err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
+err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True, width=_width(sys.stderr))
 
 
 def command_group(**options: Any) -> typer.Typer:
