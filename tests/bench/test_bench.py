@@ -132,7 +132,7 @@ def test_cli_prints_table_and_json_and_writes_png(tmp_path: Path) -> None:
 def test_a_source_too_small_for_the_run_is_refused(tmp_path: Path) -> None:
     source = dataset(tmp_path, tiny(samples=8, samples_per_file=4))
     line = one_error_line(gpufeed("bench", "-w", "resnet50", "-s", source, "--samples", "16", "--samples-per-file", "4"), 2)
-    assert "has 2 files" in line and "needs 4" in line and "gpufeed bench generate" in line
+    assert f"{source}: has 2 files" in line and "needs 4" in line and "gpufeed bench generate" in line, "the source given"
 
 
 def test_a_source_of_another_record_size_is_refused_with_the_way_out(tmp_path: Path) -> None:

@@ -25,15 +25,16 @@ class Dataset:
     samples: int
 
     @classmethod
-    def from_mount(cls, client: Client, root: str, work: Workload) -> Dataset:
-        """The first `work.samples` samples under `root`; a source too small for them, or
-        whose records are not the workload's size, is refused with the way out."""
+    def from_mount(cls, client: Client, root: str, work: Workload, source: str | None = None) -> Dataset:
+        """The first `work.samples` samples under `root` (the mount of `source`, the URL the
+        user gave, which errors name); a source too small for them, or whose records are not the
+        workload's size, is refused with the way out."""
         listed = sorted((s.path, s.size) for s in client.walk(root))
         spf = work.samples_per_file
         needed = math.ceil(work.samples / spf)
         if len(listed) < needed:
             raise InvalidArgument(
-                f"{root}: has {len(listed)} files, the {work.name} run needs {needed} "
+                f"{source or root}: has {len(listed)} files, the {work.name} run needs {needed} "
                 f"({work.samples} samples, {spf} per file); write them with "
                 f"'gpufeed bench generate --workload {work.name} ... URL' or lower --samples/--scale"
             )

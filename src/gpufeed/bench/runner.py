@@ -182,7 +182,7 @@ def run_bench(config: BenchConfig, progress: Progress = lambda line: None) -> Be
             mount_url, mount_options = (url, options) if mode.remote else given
             namespace.add_mount(path, mount_url, {**mount_options, **mode.mount_options}, immutable=True)
             try:
-                dataset = Dataset.from_mount(client, path, config.work)
+                dataset = Dataset.from_mount(client, path, config.work, config.source)
                 if report is None:
                     mib = dataset.bytes / 2**20
                     progress(f"reading {dataset.samples} samples from {len(dataset.paths)} files, {mib:,.0f} MiB")
