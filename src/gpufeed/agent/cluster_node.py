@@ -14,7 +14,7 @@ from gpufeed import errors
 from gpufeed.agent.peer_server import PeerServer
 from gpufeed.agent.peers import PeerBlocks, load_token, peer_tls
 from gpufeed.cluster import poolboard
-from gpufeed.cluster.membership import HEARTBEAT_S, Membership
+from gpufeed.cluster.membership import HEARTBEAT_S, Membership, check_url
 from gpufeed.cluster.ownership import Node
 from gpufeed.config import Settings, cluster_node_id, parse_addr
 
@@ -29,6 +29,7 @@ class ClusterNode:
 
     def __init__(self, settings: Settings, fetcher: Fetcher, dirs: tuple[Path, ...], metrics: Metrics,
                  capacity: int, stats: Callable[[], dict[str, Any]]) -> None:
+        check_url(settings.cluster)  # first: a wrong URL is the mistake to name, not what it lacks
         if not settings.peer_addr:
             raise errors.InvalidArgument("a cluster member needs --peer-addr HOST:PORT (GPUFEED_PEER_ADDR) for its peer API")
         if settings.replicas < 1:

@@ -34,9 +34,13 @@ HEARTBEAT_S = 1.0
 TTL_S = 4.0
 
 
-def connect(url: str) -> aioredis.Redis:
+def check_url(url: str) -> None:
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise InvalidArgument(f"--cluster {url!r}: expected redis://HOST:PORT[/DB] (or rediss://, unix://)")
+        raise InvalidArgument(f"--cluster {url!r} (GPUFEED_CLUSTER): expected redis://HOST:PORT[/DB] (or rediss://, unix://)")
+
+
+def connect(url: str) -> aioredis.Redis:
+    check_url(url)
     return aioredis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0, decode_responses=True)
 
 
