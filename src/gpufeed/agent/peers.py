@@ -45,6 +45,7 @@ from gpufeed.cluster.membership import Membership
 from gpufeed.cluster.ownership import Node, owners
 from gpufeed.config import Settings
 from gpufeed.rpc.messages import Failure, Fetched, Group, ObjectWant, PeerBlock, PeerFetch, PeerWarm
+from gpufeed.sources.http_index import why_failed
 
 if TYPE_CHECKING:
     from gpufeed.agent.fetcher import Job
@@ -362,7 +363,7 @@ class PeerBlocks:
                         wanted.set_result(got)
         except (TimeoutError, aiohttp.ClientError, OSError, asyncio.IncompleteReadError, msgspec.DecodeError,
                 msgspec.ValidationError) as exc:
-            self.suspects.mark(node, str(exc) or type(exc).__name__)
+            self.suspects.mark(node, why_failed(exc))
 
     async def warm(self, jobs: list[Job], here: Callable[[list[Job]], Awaitable[Fetched]]) -> Fetched:
         """Have each job's block cached by its first live owner, every owner at once; `here`
@@ -406,7 +407,7 @@ class PeerBlocks:
                     return await here(jobs)
                 reply = _fetched_decoder.decode(await response.read())
         except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError) as exc:
-            self.suspects.mark(node, str(exc) or type(exc).__name__)
+            self.suspects.mark(node, why_failed(exc))
             return await here(jobs)
         return Fetched(
             [(numbers[number], index) for number, index in reply.uncached],

@@ -60,7 +60,7 @@ async def _open_session(settings: Settings) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=timeout)
 
 
-def _why(exc: BaseException) -> str:
+def why_failed(exc: BaseException) -> str:
     """What a user can act on in a connection failure: the system's words for it ("Connection
     refused", "Name or service not known"), not aiohttp's ("Cannot connect to host … ssl:default")."""
     cause = getattr(exc, "os_error", None)
@@ -91,7 +91,7 @@ async def _index_page_once(session: aiohttp.ClientSession, url: str) -> list[dic
     except aiohttp.ClientPayloadError as exc:
         raise Retryable("broken response body", SourceError(f"{url}: the index page broke off ({exc})")) from exc
     except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-        error = SourceUnreachable(f"{url}: cannot reach the server ({_why(exc)})")
+        error = SourceUnreachable(f"{url}: cannot reach the server ({why_failed(exc)})")
         raise Retryable("connection failure", error) from exc
     try:
         page = json.loads(body)
