@@ -111,6 +111,7 @@ class Metrics:
     def counters(self) -> dict[str, int]:
         counts = {name: self.counts[name] for name in COUNTERS}
         counts["misses"], counts["bytes_fetched"] = sum(self.misses.values()), sum(self.miss_bytes.values())
+        counts["direct_bytes"] = sum(n for (_, tier), n in self.miss_bytes.items() if tier == "direct")
         return counts
 
     def mount(self, name: str) -> str:

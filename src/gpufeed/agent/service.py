@@ -237,8 +237,10 @@ class Agent:
         return reply
 
     async def _read_ranges(self, request: ReadRanges, conn: Connection) -> Reply:
-        """Counted by the reader, as its own reads past the cache are (`Served.direct`)."""
-        return await self.fetcher.read_ranges(request.groups, request.ranges)
+        reply = await self.fetcher.read_ranges(request.groups, request.ranges)
+        if (reader := self.metrics.readers.get(conn.pid)) is not None:
+            reader.fetched_bytes += sum(len(part) for part in reply.parts)
+        return reply
 
     async def _prefetch(self, request: Prefetch, conn: Connection) -> Reply:
         session, created = self.sessions.open(request.session, request.pin)

@@ -258,6 +258,12 @@ def _copy(run: RunContext) -> Iterator[Prepared]:
 # -- cached: the same read path with the node cache on -----------------------------------------
 
 
+def _agent_fetched(client: Client) -> int:
+    """The bytes the agent fetched itself: readers count their own store reads (`Prepared.source_bytes`)."""
+    info = client.agent.stats()
+    return info.bytes_fetched - info.direct_bytes
+
+
 def _cold_agent(client: Client) -> None:
     """Start the run's private agent, as a node's agent runs before a job does (its start-up
     is not the cold epoch's), with an empty cache: the modes of one run share it, and blocks
@@ -290,7 +296,7 @@ def _cached(run: RunContext) -> Iterator[Prepared]:
         _cold_agent(client)
 
         def fetched() -> int:
-            return client.agent.stats().bytes_fetched
+            return _agent_fetched(client)
 
         yield Prepared(NamespaceReaderSpec(run.settings, dataset.paths), ahead=ahead, source_bytes=fetched)
     finally:
@@ -325,7 +331,7 @@ def _fuse(run: RunContext) -> Iterator[Prepared]:
         local = tuple(str(point / path[len(nspath) + 1 :]) for path in run.dataset.paths)
         yield Prepared(
             LocalReaderSpec(local),
-            source_bytes=lambda: client.agent.stats().bytes_fetched,
+            source_bytes=lambda: _agent_fetched(client),
             start=lambda: fuse_mounts.start(run.settings, point, nspath, warmup=True),
         )
     finally:

@@ -28,7 +28,8 @@ def stats() -> None:
         ("blocks", str(info.blocks)),
         ("hits", f"{info.hits}" + (f" ({info.hits / reads:.1%})" if reads else "")),
         ("misses", str(info.misses)),
-        ("bytes fetched", human_bytes(info.bytes_fetched)),
+        ("bytes fetched", human_bytes(info.bytes_fetched)
+         + (f" ({human_bytes(info.direct_bytes)} by readers, past the cache)" if info.direct_bytes else "")),
         ("repairs", str(info.repairs)),
         ("evictions", str(info.evictions)),
         ("served uncached", str(info.uncached)),

@@ -17,7 +17,7 @@ import xxhash
 
 from gpufeed.rpc.messages import Reply, Request
 
-VERSION = 11
+VERSION = 12
 """What the agent and its readers must agree on; checked by `Hello` on every connection. Raise it
 with any change a running agent of the last release would misread or not do (4: typed msgpack
 messages; block headers that record the block's identity; 5: hit reports carry per-mount
@@ -25,7 +25,9 @@ figures, groups name their mount, Metrics and Usage requests; 6: prefetch reques
 job's lead in samples, and usage reports it; 7: writes: Commit, Sync, Remove; 8: Fetch.at_owners, the
 cluster warmup; 9: ReadRanges, reads around blocks for readers that cannot reach a store; 10: objects carry
 the chunk sums a pack index lists, which the agent checks every fetched block against; 11: objects
-name their sums by a hash, and a request carries those of the blocks it wants, `ObjectWant.sums`)."""
+name their sums by a hash, and a request carries those of the blocks it wants, `ObjectWant.sums`;
+12: hit reports carry the reader's own store reads, `Served.direct`, and `ReadRanges` serves writes
+still uploading from their staged bytes)."""
 MAX_MESSAGE = 64 << 20
 _LENGTH = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()

@@ -216,6 +216,8 @@ class AgentInfo(msgspec.Struct, tag="info"):
     uncached: int
     prefetched: int
     prefetch_errors: int
+    direct_bytes: int
+    """Of `bytes_fetched`, what readers read from stores themselves, past the cache (`Served.direct`)."""
 
 
 class MetricsText(msgspec.Struct, tag="metrics_text"):
