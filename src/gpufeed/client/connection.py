@@ -347,16 +347,23 @@ class HitReporter:
         """Mount path → its tally; handles hold theirs (`ObjectHandle.tally`)."""
         self._sent = time.monotonic()
         self._lock = threading.Lock()
+        self._waited = threading.Lock()
+        """Held by a report that waits for the agent's reply: a waited flush then knows that one
+        sent by the idle thread has been counted too."""
         self._watched_in = 0
         """The process whose thread sends idle reports (`_watch`): a forked child starts its own."""
         self._closed = False
         _REPORTERS.add(self)
 
     def tally(self, mount: str) -> Tally:
+        """The tally of `mount`, which a handle holds; a process's first also starts its idle
+        reports (`_watch`), so a reader of a few files, or of a mount with cache=off, is heard."""
         found = self.tallies.get(mount)
         if found is None:
             with self._lock:
                 found = self.tallies.setdefault(mount, Tally())
+        if self._watched_in != os.getpid():
+            self._watch()
         return found
 
     def record(self, block: str) -> None:
@@ -407,7 +414,7 @@ class HitReporter:
         if time.monotonic() - self._sent > IDLE_REPORT_S and (
             self.names or self.read or any(t.hits or t.stall_s or t.direct for t in list(self.tallies.values()))
         ):
-            self.flush(wait=False)
+            self.flush()
 
     def close(self) -> None:
         """Report what is pending, and stop the idle reports."""
@@ -417,6 +424,13 @@ class HitReporter:
     def flush(self, *, wait: bool = True) -> None:
         """Report the pending hits. The read path does not wait for the agent to take them
         (`wait=False`, a one-way message); `wait` makes them count before anything else asks."""
+        if not wait:
+            self._send(wait=False)
+            return
+        with self._waited:
+            self._send(wait=True)
+
+    def _send(self, *, wait: bool) -> None:
         with self._lock:
             batch = self.names.copy()
             del self.names[: len(batch)]  # names other threads appended meanwhile stay
@@ -454,7 +468,7 @@ def _after_fork_in_child() -> None:
     """A thread of the parent may have held a reporter's lock as it forked; it does not exist in
     the child, which would wait on that lock for ever."""
     for reporter in list(_REPORTERS):
-        reporter._lock = threading.Lock()
+        reporter._lock, reporter._waited = threading.Lock(), threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
