@@ -149,7 +149,8 @@ def test_folder_labels_are_the_first_folder_under_the_root(tmp_path: Path) -> No
         (root / "train" / name / f"{name}_boxes.txt").write_bytes(name.encode())
     (root / "README").write_bytes(b"readme")
     Namespace().add_mount("/tiny", f"file://{root}")
-    for given in ("/tiny/train", "/tiny/train/", PurePosixPath("/tiny/train"), ["/tiny/train/n01", Path("/tiny/train/n02")]):
+    listed = ["/tiny/train/n01", Path("/tiny/train/n02")]  # class folders
+    for given in ("/tiny/train", "/tiny/train/", PurePosixPath("/tiny/train"), listed):
         data = FeedDataset(given, target="folder")
         assert data.classes == ["n01", "n02"]
         assert [(sample.decode(), label) for sample, label in (data[i] for i in range(len(data)))] == [
@@ -157,6 +158,8 @@ def test_folder_labels_are_the_first_folder_under_the_root(tmp_path: Path) -> No
         ] * 3 + [("n02", 1)] * 3
     with pytest.raises(InvalidArgument, match="/tiny/README: not inside a class folder under /tiny"):
         FeedDataset("/tiny", target="folder")
+    files = FeedDataset(["/tiny/train/n02/images/n02_1.JPEG", "/tiny/train/n01/images/n01_0.JPEG"], target="folder")
+    assert files.classes == ["images"] and [files[i][1] for i in range(2)] == [0, 0], "a listed file: its own folder"
 
 
 @pytest.mark.parametrize("persistent", [False, True])

@@ -4,6 +4,7 @@ an open+pread and send misses to the node agent."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, Literal, TypeVar
 
@@ -44,7 +45,9 @@ class FeedDataset(torch.utils.data.Dataset, Generic[T]):
         self.index = FileIndex.build(paths_or_dir, gpufeed.client())
         self.transform = transform
         if target == "folder":
-            target = FolderLabels(self.index.paths, roots_of(paths_or_dir))
+            roots = roots_of(paths_or_dir)
+            one_dir = isinstance(paths_or_dir, str | os.PathLike)
+            target = FolderLabels(self.index.paths, roots[0], ()) if one_dir else FolderLabels(self.index.paths, None, roots)
         elif target is not None and not callable(target):
             raise InvalidArgument(f"target={target!r}: expected a function of the path, or 'folder'")
         self.target: Callable[[str], Any] | None = target

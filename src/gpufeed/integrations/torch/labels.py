@@ -10,15 +10,19 @@ from gpufeed.paths import normalize
 
 
 class FolderLabels:
-    """ImageFolder's rule: a file's class is the directory it lies under, one level below the
-    dataset's root (`train/n01/images/1.JPEG` is class `n01`, as in Tiny-ImageNet); classes are
-    sorted by name and numbered from 0 (`classes`, `class_to_idx`, as torchvision names them).
-    The root is the dataset's directory, or the directory a list of paths has in common. A file
-    directly under the root is in no class: refused, never given a class of its own. A plain
-    object, so it pickles to spawned DataLoader workers."""
+    """ImageFolder's rule: a file's class is its class folder; classes are sorted by name and
+    numbered from 0 (`classes`, `class_to_idx`, as torchvision names them). A plain object, so
+    it pickles to spawned DataLoader workers.
 
-    def __init__(self, paths: Iterable[str], roots: list[str]) -> None:
-        self.root = posixpath.commonpath([normalize(root) for root in roots])
+    Given the dataset's directory (`root`), the class folder is the one a file lies under one
+    level below it (`train/n01/images/1.JPEG` is class `n01`, as in Tiny-ImageNet); a file
+    directly under the root is in no class and refused. Given a list of files and directories
+    (`listed`), a listed directory is a class folder, and a listed file's class is the
+    directory it is in. With neither, every file's class is the directory it is in."""
+
+    def __init__(self, paths: Iterable[str], root: str | None = None, listed: Iterable[str] = ()) -> None:
+        self.root = None if root is None else normalize(root)
+        self.listed = frozenset(normalize(path) for path in listed)
         self.classes = sorted({self._folder(path) for path in paths})
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
 
@@ -26,12 +30,18 @@ class FolderLabels:
         return self.class_to_idx[self._folder(path)]
 
     def _folder(self, path: str) -> str:
-        prefix = self.root.rstrip("/") + "/"
-        below = path[len(prefix) :] if path.startswith(prefix) else ""
-        folder, slash, _ = below.partition("/")
-        if not slash:
-            raise InvalidArgument(
-                f"{path}: not inside a class folder under {self.root}; target='folder' labels ROOT/CLASS/... files"
-            )
-        return folder
-
+        parent = posixpath.dirname(path)
+        if self.root is not None and path != self.root:
+            prefix = self.root.rstrip("/") + "/"
+            folder, slash, _ = path[len(prefix) :].partition("/") if path.startswith(prefix) else ("", "", "")
+            if not slash:
+                raise InvalidArgument(
+                    f"{path}: not inside a class folder under {self.root}; target='folder' labels ROOT/CLASS/... files"
+                )
+            return folder
+        directory = parent
+        while self.listed and directory not in ("/", ""):
+            if directory in self.listed:
+                return posixpath.basename(directory)
+            directory = posixpath.dirname(directory)
+        return posixpath.basename(parent)
