@@ -16,7 +16,7 @@ import gpufeed
 from gpufeed.bench.faults import FaultControl
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
-from gpufeed.errors import GpufeedError
+from gpufeed.errors import GpufeedError, WriteError
 from gpufeed.namespace import Namespace
 from tests.conftest import Bucket
 
@@ -92,6 +92,8 @@ def test_a_write_through_that_cannot_reach_the_store_says_the_write_is_kept(
         with gpufeed.open("/out/through/a.bin", "wb", sync=True) as f:
             f.write(b"abc")
     assert gpufeed.read("/out/through/a.bin") == b"abc", "kept, as the error says"
+    with pytest.raises(WriteError, match="upload not done, still retried"):
+        gpufeed.sync("/out")  # the store still refuses: three more tries, in seconds, then the answer
     moto_faults.configure(rates={})
     assert gpufeed.sync("/out") == 1 and stored(bucket, "through/a.bin") == b"abc"
 

@@ -17,7 +17,6 @@ removed once its process is gone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -241,10 +240,13 @@ class Uploads:
                 if upload.failures == 1 or upload.failures % 10 == 0:
                     log.warning("upload of %s failed (attempt %d, retrying in %.1f s): %s", upload.path, upload.failures,
                                 delay, exc)
-                with contextlib.suppress(TimeoutError):
+                try:
                     await asyncio.wait_for(upload.retry.wait(), delay)
+                except TimeoutError:
+                    delay = min(2 * delay, RETRY_MAX_S)
+                else:  # a sync waits on it: its backoff starts afresh, so three tries take seconds, not minutes
+                    delay = RETRY_FIRST_S
                 upload.retry.clear()
-                delay = min(2 * delay, RETRY_MAX_S)
         self.metrics.count("uploads")
         self.metrics.count("upload_bytes", upload.info.size)
         if stored.size != upload.info.size:
