@@ -81,7 +81,7 @@ def test_an_agent_killed_comes_back_as_it_was_started(dataset: Path, gpufeed_hom
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         assert b"gpufeed_hits_total" in reply.read()
     assert f"not --metrics-addr 127.0.0.1:{other}" in fails(1, "agent", "start", "--metrics-addr", f"127.0.0.1:{other}")
-    assert "already serves" in ok("agent", "start", "--metrics-addr", f"127.0.0.1:{port}")
+    assert "already serves" in ok("agent", "start", "--metrics-addr", str(port)), "the same address, written short"
     ok("agent", "stop")
     assert ok("cat", "/data/README") == "readme\n"  # a reader's own agent now
     assert "20.0 MiB" not in ok("agent", "status")

@@ -353,7 +353,7 @@ def test_an_endpoint_from_the_environment_is_recorded_in_the_mount(bucket: Bucke
     bucket.put("k", b"v")
     monkeypatch.setenv("AWS_ENDPOINT_URL", bucket.endpoint)
     mount, _ = Namespace().add_mount("/s3", bucket.url)
-    assert mount.options == {"endpoint": bucket.endpoint}
+    assert mount.options == {"endpoint": bucket.endpoint, "block_size": "4MiB"}
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     import gpufeed
 

@@ -108,9 +108,17 @@ def _differences(asked: Asked, settings: Settings, hello: AgentInfo) -> list[str
     given = [("--metrics-addr", asked.metrics_addr)] + [(flag, text) for flag, text in asked.cluster]
     for name, text in given:
         value = agent_service.flag(wanted, name)
-        if text is not None and (running is None or agent_service.flag(running, name) != value):
+        if text is None or value is None:  # not asked for, or of no effect (--peer-addr without --cluster)
+            continue
+        has = None if running is None else agent_service.flag(running, name)
+        if has is None or _setting(name, has) != _setting(name, value):
             differ.append(f"{name} {value}")
     return differ
+
+
+def _setting(flag: str, value: str) -> object:
+    """A flag's value as the agent takes it: `9400` and `127.0.0.1:9400` are one address."""
+    return parse_addr(value) if flag in ("--metrics-addr", "--peer-addr", "--advertise") else value
 
 
 def _already(hello: AgentInfo) -> str:
