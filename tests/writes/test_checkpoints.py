@@ -27,7 +27,7 @@ import gpufeed.torch
 from gpufeed.bench.faults import FaultControl
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
-from gpufeed.errors import PathNotFound
+from gpufeed.errors import InvalidArgument, PathNotFound, ReadOnlyMount
 from gpufeed.namespace import Namespace
 from tests.conftest import Bucket
 from tests.writes.checkpoint_saver import state
@@ -85,6 +85,39 @@ def test_dcp_saves_commit_last_keep_the_last_n_and_restore_from_this_nodes_cache
     assert moto_requests(out, server_dir / "moto.log", "GET", "run/step-", prefix=True) == 0, "restored from this node's cache"
     with pytest.raises(PathNotFound, match="step-00000001: no complete checkpoint"):
         checkpoints.load(loaded, step=1)
+
+
+def test_a_new_model_and_optimizer_resume_with_the_optimizers_state(out: Bucket) -> None:
+    """The README's resume: a fresh process builds its model and optimizer and loads the newest
+    checkpoint into them; Adam's moments and step counts come back, so training goes on as if
+    never stopped."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+    checkpoints = gpufeed.torch.Checkpoints("/out/resume")
+    checkpoints.save({"model": model, "optim": optimizer}, 3)
+    again = torch.nn.Linear(4, 2)
+    resumed = torch.optim.Adam(again.parameters(), lr=0.1)
+    assert checkpoints.load({"model": again, "optim": resumed}) == 3
+    assert same(again.state_dict(), model.state_dict())
+    saved, loaded = optimizer.state_dict()["state"], resumed.state_dict()["state"]
+    assert saved.keys() == loaded.keys() == {0, 1}
+    assert all(same(saved[k], loaded[k]) for k in saved), "moments and step counts as saved"
+
+
+def test_a_checkpoint_root_that_cannot_be_written_or_found_is_one_clear_error(out: Bucket, tmp_path: Path) -> None:
+    (tmp_path / "ro").mkdir()
+    Namespace().add_mount("/ro", f"file://{tmp_path / 'ro'}", allow_empty=True)
+    with pytest.raises(ReadOnlyMount, match="mount it with --writable"):
+        gpufeed.torch.Checkpoints("/ro/run").save(state(1), 1)
+    with pytest.raises(PathNotFound, match="/nope/run: no mount contains this path"):
+        gpufeed.torch.Checkpoints("/nope/run").load(zeros_like(state(1)))  # not a fresh start: a typo
+    with pytest.raises(InvalidArgument, match="step=-1"):
+        gpufeed.torch.Checkpoints("/out/run").save(state(1), -1)
 
 
 def test_a_save_that_fails_midway_leaves_no_checkpoint_that_loads(out: Bucket) -> None:

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.filesystem import (
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
@@ -271,10 +272,14 @@ class Checkpoints:
         self._process_group: dist.ProcessGroup | None = None
 
     def path(self, step: int) -> str:
+        if step < 0:
+            raise InvalidArgument(f"step={step}: a checkpoint's step is 0 or more")
         return posixpath.join(self.root, STEP_DIR.format(step=step))
 
     def list(self) -> list[Checkpoint]:
-        """Complete checkpoints, oldest first; a directory without `.metadata` is not one."""
+        """Complete checkpoints, oldest first; a directory without `.metadata` is not one. A root
+        no mount holds is an error, not an empty list: a typo would restart training from scratch."""
+        self.client.namespace.resolve(self.root)
         try:
             entries = self.client.ls(self.root)
         except PathNotFound:
@@ -291,13 +296,20 @@ class Checkpoints:
         return complete[-1] if complete else None
 
     def save(self, state_dict: dict[str, Any], step: int, **writer: Any) -> None:
-        dcp.save(state_dict, storage_writer=GpufeedWriter(self.path(step), client=self.client, **writer))
+        dcp.save(state_dict, storage_writer=GpufeedWriter(self._writable(step), client=self.client, **writer))
         self.prune()
+
+    def _writable(self, step: int) -> str:
+        """The step's directory, checked before DCP starts: a read-only or unknown root is one
+        clear error here, not an exception DCP gathers from its writer into a traceback dump."""
+        path = self.path(step)
+        self.client.namespace.writable_target(posixpath.join(path, METADATA))
+        return path
 
     def async_save(self, state_dict: dict[str, Any], step: int, **writer: Any) -> Future[Any]:
         """Returns once the state is copied to host memory; the future is done when the
         checkpoint is complete in the store (and older ones beyond `keep_last` are pruned)."""
-        writer_ = GpufeedWriter(self.path(step), client=self.client, **writer)
+        writer_ = GpufeedWriter(self._writable(step), client=self.client, **writer)
         saving = dcp.async_save(state_dict, storage_writer=writer_, process_group=self._group())
         assert isinstance(saving, Future)
         future: Future[Any] = Future()
@@ -324,6 +336,12 @@ class Checkpoints:
             step = latest.step
         elif not self._complete(self.path(step)):
             raise PathNotFound(f"{self.path(step)}: no complete checkpoint (its {METADATA} is missing)")
+        for value in state_dict.values():
+            if isinstance(value, torch.optim.Optimizer):
+                # DCP loads only the keys a state dict has, and a new optimizer's has no state yet:
+                # its moments and steps would be dropped without a word. A step with zero grads
+                # and lr 0 creates them (what torch's get_optimizer_state_dict does first).
+                _init_optim_state(value)
         dcp.load(state_dict, storage_reader=GpufeedReader(self.path(step), client=self.client, **reader))
         return step
 
