@@ -352,27 +352,23 @@ class Client:
     def cancel_prefetch(self, session: str) -> None:
         self.fetches.cancel(session)
 
-    def warm(self, handle: ObjectHandle, fetched: Callable[[int], None] | None = None, *, at_owners: bool = False) -> int:
-        """Make every block of `handle` present in the node cache without reading it; returns
-        the bytes that were cached already. `fetched` hears the bytes of every WARM_STEP blocks
-        published, so a big object shows progress and a stopped warmup knows what it cached.
-        `at_owners` (a cluster warmup): each block is cached by its owner in the cache cluster
-        instead, all owners at once; what none of them had to fetch was cached already."""
+    def warm(self, handle: ObjectHandle, fetched: Callable[[int], None] | None = None, *, at_owners: bool = False) -> None:
+        """Make every block of `handle` present in the node cache without reading it. `fetched`
+        hears the bytes of every WARM_STEP blocks published, so a big object shows progress and
+        a stopped warmup knows what it cached. `at_owners` (a cluster warmup): each block is
+        cached by its owner in the cache cluster instead, all owners at once. What the store
+        sent for it is in `source_bytes` (whole blocks, which a pack's members share)."""
         ref = handle.blocks
         if ref is None:
-            return 0
+            return
         lo, hi = handle.extent(0, handle.size)
         span = ref.blocks.span(lo, hi)
         missing = list(span) if at_owners else [i for i in span if not os.path.exists(ref.path(i))]
-        from_stores = 0
         for first in range(0, len(missing), WARM_STEP):
             part = missing[first : first + WARM_STEP]
-            from_stores += self.fetches.once([(handle, part, [])], at_owners=at_owners)[1]
+            self.fetches.once([(handle, part, [])], at_owners=at_owners)
             if fetched is not None:
                 fetched(sum(overlap(ref.block_size, i, lo, hi) for i in part))
-        if at_owners:
-            return max(0, handle.size - from_stores)
-        return handle.size - sum(overlap(ref.block_size, i, lo, hi) for i in missing)
 
     def cached_bytes(self, path: str) -> Iterator[tuple[FileStat, int]]:
         """(file, bytes of it present in the cache) for every file under `path`; reads no data."""
