@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import ray
 from ray.cluster_utils import Cluster
 
 from gpufeed.bench.children import free_port
@@ -60,13 +61,16 @@ def test_without_ray_the_pool_commands_say_how_to_get_it() -> None:
 
 
 def test_status_shows_gpus_leases_queue_and_teams(cluster: Cluster) -> None:
-    with lease(Request(0.5, team="vision", dataset="/imagenet"), pool="status"):
+    with lease(Request(0.5, team="vision", dataset="/imagenet"), pool="status") as granted:
+        # started, as `gpu run` marks it: a granted lease nobody starts expires after 10 s, which
+        # two CLI calls on a loaded 2-core machine can take
+        assert ray.get(granted.sched.started.remote(granted.lease["lease_id"], []))
         done = gpufeed("gpu", "status", "--json", "--address", cluster.address, "--pool", "status")
         table = gpufeed("gpu", "status", "--address", cluster.address, "--pool", "status")
     state = json.loads(done.stdout)
     assert done.returncode == 0 and set(state) == {"gpus", "leases", "queue", "teams", "idle_timeout", "agents"}
     assert sorted((g["free_share"], g["memory"]) for g in state["gpus"]) == [(0.5, 16 << 30), (1.0, 16 << 30)]
-    assert [(ls["team"], ls["share"], ls["started"]) for ls in state["leases"]] == [("vision", 0.5, False)]
+    assert [(ls["team"], ls["share"], ls["started"]) for ls in state["leases"]] == [("vision", 0.5, True)]
     assert state["leases"][0]["reason"].startswith("/imagenet: no cache cluster to ask"), "this pool has no GPUFEED_CLUSTER"
     titles = ("GPUs", "Leases", "Queue", "Teams", "vision", "placed")
     assert table.returncode == 0 and all(title in table.stdout for title in titles)
