@@ -6,6 +6,8 @@ import io
 import random
 import tarfile
 
+import pytest
+
 import gpufeed
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
@@ -45,3 +47,23 @@ def test_webdataset_members_read_in_place(bucket: Bucket) -> None:
     assert gpufeed.read("/wds/big.bin", 4_000_000, 100) == samples["big.bin"][4_000_000:4_000_100]
     blocks = AgentClient(Settings.from_env()).stats().blocks
     assert blocks <= 3 + 2, f"{blocks} blocks: the tars' blocks, not one per member"
+
+
+def test_links_in_a_tar_read_as_the_file_they_name(bucket: Bucket, caplog: pytest.LogCaptureFixture) -> None:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        info = tarfile.TarInfo("img/000001.jpg")
+        info.size = 5
+        tar.addfile(info, io.BytesIO(b"jpeg!"))
+        for name, kind, target in [("img/copy.jpg", tarfile.LNKTYPE, "img/000001.jpg"),  # as tar -h/hard links write
+                                   ("latest.jpg", tarfile.SYMTYPE, "img/copy.jpg"),  # relative, through a link
+                                   ("gone.jpg", tarfile.SYMTYPE, "nowhere.jpg")]:
+            link = tarfile.TarInfo(name)
+            link.type, link.linkname = kind, target
+            tar.addfile(link)
+    bucket.put("links/shard.tar", out.getvalue())
+    Namespace().add_mount("/links", f"{bucket.url}/links", {"endpoint": bucket.endpoint, "format": "webdataset"})
+    listed = {f.path: f.size for f in gpufeed.walk("/links")}
+    assert listed == {"/links/img/000001.jpg": 5, "/links/img/copy.jpg": 5, "/links/latest.jpg": 5}
+    assert gpufeed.read("/links/img/copy.jpg") == gpufeed.read("/links/latest.jpg") == b"jpeg!"
+    assert "shard.tar: 1 link(s) to no regular file of the tar left out (gone.jpg)" in caplog.text

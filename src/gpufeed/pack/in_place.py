@@ -1,7 +1,7 @@
 """Shard formats other tools write, read in place: what each member is and where its bytes lie
 in its shard, found from the shards' own headers at mount time, never by converting them.
 
-- WebDataset: each `*.tar` at the source root; a member is a regular file of a tar, where it lies
+- WebDataset: each `*.tar` at the source root; a member is a regular file of a tar (or a link to one), where it lies
   comes from the tar headers (for small members, one pass over the tars).
 - Mosaic MDS (`index.json`, uncompressed `.mds` shards): sample n's column c is the file
   `{n:08d}.{c}`, its bytes the column's encoded bytes, located from the shard's offset table and
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import posixpath
 import struct
 import tarfile
 from collections.abc import Iterator
@@ -28,6 +30,7 @@ from gpufeed.errors import PackError
 from gpufeed.pack.layout import shard_row
 from gpufeed.sources.base import ObjectInfo, Source
 
+log = logging.getLogger(__name__)
 ARROW_ROWS = "its samples are in an Arrow footer (LitData writes one for dicts of plain values), which cannot be read in place"
 """Why a LitData chunk whose samples take no bytes is refused: newer LitData puts such samples
 in an Arrow table after its (then empty) PyTree body."""
@@ -53,16 +56,39 @@ def webdataset(source: Source) -> Iterator[list[ObjectInfo]]:
 
 
 def tar_members(source: Source, tar: ObjectInfo) -> Iterator[tuple[str, int, int, float]]:
-    """(name, data offset, size, mtime) of each regular file in the tar, from its headers."""
+    """(name, data offset, size, mtime) of each regular file in the tar, from its headers. A hard
+    or symbolic link to a regular file of the same tar is that file's bytes under the link's
+    name (tar keeps a hard link's second name only as a link); any other link is left out with
+    one warning per tar, since its bytes are not in the shard."""
     reader = _Ranged(source, tar)
+    files: dict[str, tuple[str, int, int, float]] = {}
+    links: dict[str, str] = {}
     try:
         with tarfile.open(fileobj=reader, mode="r:") as archive:  # type: ignore[call-overload]
             for member in archive:
+                name = posixpath.normpath(member.name.removeprefix("./"))
                 if member.isreg():
-                    name = member.name.removeprefix("./")
-                    yield name, member.offset_data, member.size, float(member.mtime)
+                    files[name] = (name, member.offset_data, member.size, float(member.mtime))
+                elif member.islnk():
+                    links[name] = posixpath.normpath(member.linkname.removeprefix("./"))
+                elif member.issym():
+                    links[name] = posixpath.normpath(posixpath.join(posixpath.dirname(name), member.linkname))
     except tarfile.TarError as exc:
         raise PackError(f"{source.url}/{tar.key}: not a readable tar ({exc})") from None
+    dangling = []
+    for name, target in links.items():
+        for _ in range(40):  # as the kernel's limit on nested symlinks
+            if target not in links:
+                break
+            target = links[target]
+        if target in files:
+            files[name] = (name, *files[target][1:])
+        else:
+            dangling.append(name)
+    if dangling:
+        where = f"{source.url}/{tar.key}"
+        log.warning("%s: %d link(s) to no regular file of the tar left out (%s)", where, len(dangling), dangling[0])
+    yield from sorted(files.values(), key=lambda member: member[1])
 
 
 def mds(source: Source) -> Iterator[list[ObjectInfo]]:
