@@ -27,8 +27,10 @@ from gpufeed.errors import (
     SourceError,
     SourceUnreachable,
 )
+from gpufeed.meta.manifest import ManifestStats, entries_from_listing
 from gpufeed.namespace import Namespace
 from gpufeed.sources import open_source
+from gpufeed.sources.base import ObjectInfo
 from tests.conftest import Bucket, HttpServer
 
 
@@ -378,3 +380,19 @@ def test_an_http_source_is_listed_from_code_that_runs_an_event_loop(nginx: HttpS
 
     assert asyncio.run(cell()) == 1
     assert client.read("/h/a.bin") == b"q" * 100
+
+
+def test_a_key_that_is_also_a_directory_is_named_not_hidden(bucket: Bucket, caplog: pytest.LogCaptureFixture) -> None:
+    """S3 holds `a` beside `a/b`; a path is one or the other. The directory stands (as in
+    mountpoint-s3), and the file it hides is counted out and named, whichever the listing gives first."""
+    for key in ("set/a", "set/a.txt", "set/a/b", "set/z/c"):
+        bucket.put(key, key.encode())
+    with caplog.at_level(logging.WARNING, logger="gpufeed"):
+        _, stats = Namespace().add_mount("/set", f"{bucket.url}/set", {"endpoint": bucket.endpoint})
+    assert (stats.files, stats.bytes, stats.shadowed) == (3, len(b"set/a.txt" b"set/a/b" b"set/z/c"), 1)
+    assert sorted(info.path for info in Namespace().walk("/set")) == ["/set/a.txt", "/set/a/b", "/set/z/c"]
+    assert f"{bucket.url}/set: 1 file(s) not shown, a directory of the same name stands there (a)" in caplog.text
+    stats = ManifestStats()
+    rows = [ObjectInfo(key, 1, 0.0, None, None) for key in ("z/c", "z", "a/b", "a")]  # a listing in no order
+    entries = [e for batch in entries_from_listing([rows], stats) for e in batch]
+    assert (stats.files, stats.shadowed) == (2, 2) and not [e for e in entries if not e.is_dir and e.name in ("a", "z")]

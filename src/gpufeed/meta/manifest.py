@@ -6,6 +6,7 @@ diff manifests the same way. Memory stays bounded by the number of directories, 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -15,6 +16,7 @@ from gpufeed.mount_options import packed
 from gpufeed.pack.layout import hidden
 from gpufeed.sources.base import ObjectInfo, Source
 
+log = logging.getLogger(__name__)
 WRITE_BATCH = 10_000
 
 
@@ -35,6 +37,12 @@ class ManifestStats:
     """With a checksums file: its paths that name no listed object."""
     kept_hashes: int = 0
     """On refresh: content hashes carried over from unchanged objects."""
+    shadowed: int = 0
+    """Keys that are also a directory (`a` beside `a/b`, which S3 allows): the directory is
+    listed, as mountpoint-s3 and s3fs do, and the files are counted and named, not hidden
+    without a word."""
+    shadowed_key: str = ""
+    """The first of them."""
 
 
 def usable_key(key: str) -> bool:
@@ -50,12 +58,22 @@ def entries_from_listing(
     `hashes` (key -> content hash) is consumed: what is left names no listed object. With
     `hide` (a packed mount), the rows of its reserved pack directory are not counted."""
     seen_dirs: set[str] = set()
+    prefixes: list[ObjectInfo] = []  # listed files that prefix the current key (listings are sorted)
     out: list[Entry] = []
     for batch in batches:
         for info in batch:
             if not usable_key(info.key):
                 stats.skipped += 1
                 continue
+            if info.key in seen_dirs:  # its entry would replace the directory's
+                _shadowed(stats, info, counted=False)
+                continue
+            while prefixes and not info.key.startswith(prefixes[-1].key):
+                prefixes.pop()
+            if prefixes and info.key.startswith(prefixes[-1].key + "/"):  # the directory's entry replaces it
+                shadowed = prefixes.pop()
+                _shadowed(stats, shadowed, counted=not (hide and hidden(shadowed.key.rpartition("/")[0])))
+            prefixes.append(info)
             parent = info.key.rpartition("/")[0]
             directory = parent
             while directory and directory not in seen_dirs:
@@ -78,6 +96,15 @@ def entries_from_listing(
             out = []
     if out:
         yield out
+
+
+def _shadowed(stats: ManifestStats, info: ObjectInfo, counted: bool) -> None:
+    """`info` is a file and a directory: the directory's entry stands, the file is named."""
+    stats.shadowed += 1
+    stats.shadowed_key = stats.shadowed_key or info.key
+    if counted:
+        stats.files -= 1
+        stats.bytes -= info.size
 
 
 def count_changes(old: Iterator[Entry], new: Iterator[Entry], stats: ManifestStats, hide: bool = False) -> list[Entry]:
@@ -129,6 +156,9 @@ def write_manifest(
             engine.put_entries(generation, entries)
             if progress is not None:
                 progress(stats)
+        if stats.shadowed:
+            log.warning("%s: %d file(s) not shown, a directory of the same name stands there (%s)",
+                        source.url, stats.shadowed, stats.shadowed_key)
         if hashes is not None:
             stats.unlisted = len(hashes)
             stats.unhashed = stats.unhashed or 0
