@@ -197,11 +197,12 @@ def test_opening_a_directory_is_an_error(namespace: Namespace, dataset: Path) ->
 def test_a_file_named_as_a_directory_is_refused(namespace: Namespace, dataset: Path) -> None:
     namespace.add_mount("/data", f"file://{dataset}")
     for call in (namespace.stat, namespace.open_object, namespace.ls, lambda path: list(namespace.walk(path))):
-        with pytest.raises(NotADirectory, match="/data/README/: not a directory"):
-            call("/data/README/")
+        for named in ("/data/README/", "/data/README/."):
+            with pytest.raises(NotADirectory, match=f"{named}: not a directory"):
+                call(named)
     with pytest.raises(NotADirectory):
         namespace.open_objects(["/data/train/cats/0.jpg", "/data/README/"])
-    assert namespace.stat("/data/train/").is_dir, "a directory may be named so"
+    assert namespace.stat("/data/train/").is_dir and namespace.stat("/data/train/.").is_dir, "a directory may be named so"
     assert [s.path for s in namespace.ls("/data/train/")] == ["/data/train/cats", "/data/train/dogs"]
     assert namespace.open_object("/data/README")[2].size == 7
 

@@ -517,7 +517,7 @@ class Namespace:
 
 
 def _as_named(raw: str, entry: Entry) -> Entry:
-    """`entry`, refused when the path named it as a directory (a trailing '/') and it is a file."""
-    if raw.endswith("/") and not entry.is_dir:
+    """`entry`, refused when the path named it as a directory (a trailing '/' or '/.') and it is a file."""
+    if raw.endswith(("/", "/.")) and not entry.is_dir:
         raise NotADirectory(f"{raw}: not a directory")
     return entry
