@@ -15,7 +15,8 @@ import pytest
 
 from gpufeed.cache.openfiles import DELETIONS, capacity_for
 from gpufeed.client import Client
-from gpufeed.client.connection import HIT_CHECK_EVERY, AgentClient
+from gpufeed.client.connection import AgentClient
+from gpufeed.client.hit_reports import HIT_CHECK_EVERY
 from gpufeed.namespace import Namespace
 from tests.agent.test_agent import make_files
 

@@ -14,7 +14,8 @@ from gpufeed.blocks import object_blocks
 from gpufeed.cache import openfiles
 from gpufeed.cache.layout import BlockRef
 from gpufeed.cache.openfiles import OpenBlocks
-from gpufeed.client.connection import AgentClient, AgentUnavailable, HitReporter, Tally
+from gpufeed.client.connection import AgentClient, AgentUnavailable
+from gpufeed.client.hit_reports import HitReporter, Tally
 from gpufeed.meta import Mount
 from gpufeed.mount_options import CachePolicy, is_writable, source_options
 from gpufeed.namespace import Namespace

@@ -20,11 +20,12 @@ from gpufeed import arguments, coverage
 from gpufeed.blocks import CorruptBlock, overlap
 from gpufeed.cache import blockfile
 from gpufeed.client import plan
-from gpufeed.client.connection import AgentClient, HitReporter
+from gpufeed.client.connection import AgentClient
 from gpufeed.client.direct import DirectReads, explained
 from gpufeed.client.fetches import RANGES_BYTES, AgentFetches
 from gpufeed.client.file import FeedFile
 from gpufeed.client.handles import Handles, ObjectHandle
+from gpufeed.client.hit_reports import HitReporter
 from gpufeed.client.read_around import ReadAround
 from gpufeed.client.writer import FeedWriter
 from gpufeed.config import Settings
