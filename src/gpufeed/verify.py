@@ -4,8 +4,12 @@ A file whose manifest entry has no content hash gets the sha256 of what the stor
 recorded in the mount's current manifest generation: its bytes are read from the store
 (`Client.read_uncached`), never from the cache, where a byte flipped in transit before any hash
 was known may sit and would otherwise be recorded as the truth. A file that has a hash is read
-through the cache, with that hash's algorithm, and compared: what a training job reads. Small
-files are read in batches, large ones in chunks of one pinned version, so memory stays bounded.
+through the cache, with that hash's algorithm, and compared: what a training job reads. Since
+its cached blocks never ask the store, the store is asked first whether it still holds each
+such file's object at the listed version (one listing per mount, or a HEAD per object for a
+few), so a file changed or deleted at the source since listing is reported even when cached.
+Small files are read in batches, large ones in chunks of one pinned version, so memory stays
+bounded.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from gpufeed.errors import ObjectChanged, ObjectCorrupted, ObjectMissing
-from gpufeed.sources.base import ObjectInfo
+from gpufeed.paths import since_listed
+from gpufeed.sources.base import ObjectInfo, same_version
 
 if TYPE_CHECKING:
     from gpufeed.client import Client
@@ -26,6 +31,8 @@ if TYPE_CHECKING:
 BATCH_BYTES = 64 << 20
 BATCH_FILES = 256
 CHUNK = 16 << 20
+HEAD_AT_MOST = 256
+"""Up to this many objects of a mount are checked at the source by a HEAD each; more by one listing."""
 RECORD_EVERY = 1000
 """Hashes are written to the manifest this many at a time, so a stopped verify keeps most."""
 FILE_FAILURES = (ObjectCorrupted, ObjectChanged, ObjectMissing)
@@ -42,7 +49,7 @@ class Mismatch:
 
     def __str__(self) -> str:
         if self.computed is None:
-            return f"{self.path}: recorded {self.recorded}; the read failed: {self.detail}"
+            return f"{self.path}: recorded {self.recorded}; {self.detail}"
         return f"{self.path}: recorded {self.recorded}, the store holds {self.computed}"
 
 
@@ -101,10 +108,52 @@ class _Recorder:
         self.count = 0
 
 
+def gone_from_source(client: Client, files: list[FileStat]) -> dict[str, str]:
+    """Path -> why, for each hashed file whose object (a pack member's: its shard) the store no
+    longer holds at the version the mount listed."""
+    wanted: dict[str, dict[str, tuple[ObjectInfo, list[str]]]] = defaultdict(dict)
+    for item in files:
+        if item.content_hash is None or item.info is None:
+            continue  # read from the store, pinned to the listed version: a change fails that read
+        where = client.namespace.resolve(item.path)
+        assert where is not None
+        keys = wanted[where.mount.path]
+        key = item.info.pack_key or item.info.key
+        if key not in keys:
+            keys[key] = (client.namespace.container(where, item.info) if item.info.pack_key else item.info, [])
+        keys[key][1].append(item.path)
+    why: dict[str, str] = {}
+    for mount_path, keys in wanted.items():
+        source = client.namespace.source(client.namespace.mount(mount_path))
+        now: dict[str, ObjectInfo] = {}
+        if len(keys) <= HEAD_AT_MOST:
+            for key in keys:
+                try:
+                    now[key] = source.head(key)
+                except ObjectMissing:
+                    pass
+        else:
+            now = {info.key: info for batch in source.list() for info in batch if info.key in keys}
+        for key, (listed_info, paths) in keys.items():
+            found = now.get(key)
+            if found is None or not same_version(listed_info, found):
+                what, detail = ("deleted", "not in its listing now") if found is None else ("changed", f"version {found.version}")
+                for path in paths:
+                    why[path] = since_listed(f"{source.url}/{key}", what, mount_path, detail)
+    return why
+
+
 def verify(client: Client, target: Listed, progress: Callable[[Verified], None] = lambda _: None) -> Verified:
     """Hash the listed files; record hashes where the manifest has none, compare where it has
-    one. (A list, not the walk itself: the walk is over before hashes are written beside it.)"""
+    one, after asking the store which of those it no longer holds as listed (`gone_from_source`).
+    (A list, not the walk itself: the walk is over before hashes are written beside it.)"""
     done = Verified()
+    gone = gone_from_source(client, target.files)
+    for item in target.files:
+        if item.path in gone:
+            done.mismatches.append(Mismatch(item.path, item.content_hash or "-", None, gone[item.path]))
+            done.files += 1
+    progress(done)
     recorder = _Recorder(client, target.generations)
 
     def check(item: FileStat, digest: str, hashed: ObjectInfo | None = None) -> None:
@@ -131,7 +180,7 @@ def verify(client: Client, target: Listed, progress: Callable[[Verified], None] 
                 else:
                     hasher.update(client.read_range(handle, start, end))
         except FILE_FAILURES as exc:
-            done.mismatches.append(Mismatch(item.path, item.content_hash or "-", None, str(exc)))
+            done.mismatches.append(Mismatch(item.path, item.content_hash or "-", None, f"the read failed: {exc}"))
             done.files += 1
             progress(done)
             return
@@ -165,6 +214,8 @@ def verify(client: Client, target: Listed, progress: Callable[[Verified], None] 
     small: list[FileStat] = []
     small_bytes = 0
     for item in target.files:
+        if item.path in gone:
+            continue
         if item.size > CHUNK:
             one(item)
             continue

@@ -6,6 +6,10 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
+
+from gpufeed import verify as verifying
+from gpufeed.client import Client
 from gpufeed.namespace import Namespace
 from tests.cli.test_cli import fails, gpufeed, ok
 
@@ -54,6 +58,33 @@ def test_files_changed_or_deleted_at_the_source_are_reported_and_the_rest_still_
     assert "/data/train/dogs/2.jpg: recorded -; the read failed: " in failed[1] and "deleted at the source" in failed[1]
     assert "4 hashes recorded, 0 matched, 2 mismatched" in result.stdout, result.stdout
     assert Namespace().stat("/data/train/dogs/0.jpg").content_hash == f"sha256:{sha256(dataset / 'train/dogs/0.jpg')}"
+
+
+def test_cached_files_changed_or_deleted_at_the_source_are_reported(dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hashed file is read through the cache, which holds the listed version: the store is
+    asked whether it still has it, by a HEAD each for a few objects, by one listing for many."""
+    ok("mount", "add", "/data", f"file://{dataset}")
+    ok("verify", "/data")
+    ok("warmup", "/data")
+    (dataset / "train/cats/1.jpg").write_bytes(b"a new version, another size")
+    (dataset / "train/dogs/2.jpg").unlink()
+    result = gpufeed("verify", "/data")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    failed = sorted(line for line in result.stderr.splitlines() if line.startswith("gpufeed: mismatch: "))
+    assert len(failed) == 2, result.stderr
+    assert failed[0].startswith("gpufeed: mismatch: /data/train/cats/1.jpg: recorded sha256:")
+    assert f"; file://{dataset}/train/cats/1.jpg: changed at the source since mount /data was listed" in failed[0]
+    assert f"; file://{dataset}/train/dogs/2.jpg: deleted at the source since mount /data was listed" in failed[1]
+    assert "0 hashes recorded, 6 matched, 2 mismatched" in result.stdout, result.stdout
+    monkeypatch.setattr(verifying, "HEAD_AT_MOST", 0)
+    client = Client()
+    try:
+        done = verifying.verify(client, verifying.listed(client, "/data"))
+    finally:
+        client.close()
+    assert (done.files, done.matched) == (8, 6)
+    assert [(m.path, ": changed at" in m.detail, ": deleted at" in m.detail) for m in done.mismatches] == [
+        ("/data/train/cats/1.jpg", True, False), ("/data/train/dogs/2.jpg", False, True)]
 
 
 def test_malformed_checksums_line_is_one_line_and_records_nothing(dataset: Path, tmp_path: Path) -> None:
