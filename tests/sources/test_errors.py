@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
 import logging
 import os
 import socket
@@ -269,6 +270,46 @@ def test_http_without_json_index_asks_for_a_listing_file(tmp_path: Path) -> None
     try:
         with pytest.raises(SourceError, match="does not serve a JSON directory index; give a listing file with --list"):
             Namespace().add_mount("/web", f"http://127.0.0.1:{server.server_address[1]}/")
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+class _JsonIndexHandler(http.server.BaseHTTPRequestHandler):
+    pages: dict[str, bytes] = {}
+
+    def do_GET(self) -> None:
+        body = self.pages.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_json_index_with_bad_entries_is_one_error_naming_the_page() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _JsonIndexHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    good = {"name": "x.bin", "type": "file", "size": 3, "mtime": "Sun, 29 Nov 2026 10:00:00 GMT"}
+    cases = {
+        "/size/": ([good | {"size": "abc"}], "not an nginx JSON index (Expected `int`, got `str` - at `$[0].size`)"),
+        "/negative/": ([good | {"size": -5}], "not an nginx JSON index (Expected `int` >= 0 - at `$[0].size`)"),
+        "/nosize/": ([{"name": "x.bin", "type": "file"}], "not an nginx JSON index (file 'x.bin' has no size)"),
+        "/noname/": ([good | {"name": None}], "not an nginx JSON index (Expected `str`, got `null` - at `$[0].name`)"),
+        "/ints/": ([1, 2, 3], "not an nginx JSON index (Expected `object`, got `int` - at `$[0]`)"),
+        "/date/": ([good | {"mtime": "yesterday"}], "entry 'x.bin': mtime 'yesterday' is not an HTTP date"),
+    }
+    _JsonIndexHandler.pages = {path: json.dumps(page).encode() for path, (page, _) in cases.items()}
+    try:
+        for path, (_, message) in cases.items():
+            with pytest.raises(SourceError) as raised:
+                Namespace().add_mount("/web", url + path)
+            assert str(raised.value) == f"{url}{path}: {message}"
     finally:
         server.shutdown()
         thread.join()

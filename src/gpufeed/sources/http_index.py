@@ -13,10 +13,11 @@ import socket
 from collections import deque
 from collections.abc import Iterator
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Annotated
 from urllib.parse import quote
 
 import aiohttp
+import msgspec
 
 from gpufeed.aio import blocking_runner, gather_all
 from gpufeed.config import Settings
@@ -43,12 +44,11 @@ def crawl_index(url: str, settings: Settings, policy: retry.RetryPolicy) -> Iter
                 batch: list[ObjectInfo] = []
                 for directory, page in zip(level, pages, strict=True):
                     for item in page:
-                        key = f"{directory}{item['name']}"
-                        if item.get("type") == "directory":
+                        key = f"{directory}{item.name}"
+                        if item.type == "directory":
                             frontier.append(key + "/")
-                        elif item.get("type") == "file":
-                            mtime = parsedate_to_datetime(item["mtime"]).timestamp() if item.get("mtime") else 0.0
-                            batch.append(ObjectInfo(key, int(item.get("size", 0)), mtime))
+                        elif item.type == "file":
+                            batch.append(ObjectInfo(key, item.size, item.modified(f"{url}/{quote(directory)}")))
                 if batch:
                     yield batch
         finally:
@@ -71,11 +71,26 @@ def why_failed(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-async def _index_page(session: aiohttp.ClientSession, url: str, policy: retry.RetryPolicy) -> list[dict[str, Any]]:
+class IndexEntry(msgspec.Struct):
+    """One entry of nginx's JSON index (`autoindex_format json`); a file's size is required."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    type: str
+    size: Annotated[int, msgspec.Meta(ge=0)] = -1
+    mtime: str = ""
+
+    def modified(self, page: str) -> float:
+        try:
+            return parsedate_to_datetime(self.mtime).timestamp() if self.mtime else 0.0
+        except (ValueError, TypeError):
+            raise SourceError(f"{page}: entry {self.name!r}: mtime {self.mtime!r} is not an HTTP date") from None
+
+
+async def _index_page(session: aiohttp.ClientSession, url: str, policy: retry.RetryPolicy) -> list[IndexEntry]:
     return await retry.call_async(policy, lambda: _index_page_once(session, url))
 
 
-async def _index_page_once(session: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:
+async def _index_page_once(session: aiohttp.ClientSession, url: str) -> list[IndexEntry]:
     """One GET of an index page. 5xx, a dropped connection and a body that breaks off (or is
     not JSON though the server says it is) are Retryable; 404 and other 4xx are final."""
     try:
@@ -105,4 +120,11 @@ async def _index_page_once(session: aiohttp.ClientSession, url: str) -> list[dic
             f"{url}: the server does not serve a JSON directory index; "
             "give a listing file with --list FILE (or --opt list=FILE)"
         )
-    return page
+    try:
+        entries = msgspec.convert(page, list[IndexEntry])
+    except msgspec.ValidationError as exc:
+        raise SourceError(f"{url}: not an nginx JSON index ({exc})") from None
+    for entry in entries:
+        if entry.type == "file" and entry.size < 0:
+            raise SourceError(f"{url}: not an nginx JSON index (file {entry.name!r} has no size)")
+    return entries
