@@ -141,14 +141,21 @@ def test_debug_shows_the_traceback() -> None:
 
 
 def test_output_that_cannot_be_written_is_one_line(dataset: Path) -> None:
+    """A full disk or a closed descriptor 1, for every command that prints: cat's bytes, ls's
+    names, a rich table, JSON."""
     ok("mount", "add", "/data", f"file://{dataset}")
-    with open("/dev/full", "w") as full:
-        result = subprocess.run(
-            [sys.executable, "-m", "gpufeed", "cat", "/data/train/cats/0.jpg"], stdout=full, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "COLUMNS": "200"}, timeout=120,
-        )
-    assert result.returncode == 1
-    assert result.stderr.strip() == "gpufeed: error: cannot write to standard output: No space left on device"
+    commands = [("cat", "/data/train/cats/0.jpg"), ("ls", "/data"), ("ls", "-l", "/data"), ("stat", "/data/README"),
+                ("mount", "ls"), ("mount", "ls", "--json"), ("du", "/data")]
+    for command in commands:
+        for stdout, why in (("/dev/full", "No space left on device"), (None, "it is closed")):
+            with open(stdout or os.devnull, "w") as sink:
+                result = subprocess.run(
+                    [sys.executable, "-m", "gpufeed", *command], stdout=sink if stdout else None, stderr=subprocess.PIPE,
+                    text=True, env={**os.environ, "COLUMNS": "200"}, timeout=120,
+                    preexec_fn=None if stdout else lambda: os.close(1),
+                )
+            assert result.returncode == 1, (command, stdout, result.stderr)
+            assert result.stderr.strip() == f"gpufeed: error: cannot write to standard output: {why}", (command, stdout)
 
 
 def test_a_path_with_brackets_is_printed_as_it_is_on_one_line(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import math
 import typer
 from rich.table import Table
 
-from gpufeed.cli.console import command_group, counted, human_bytes, out
+from gpufeed.cli.console import command_group, counted, echo, human_bytes, out
 from gpufeed.config import Settings
 
 app = command_group(help="Inspect and manage the node cache.", no_args_is_help=True)
@@ -58,8 +58,8 @@ def ls(path: str = typer.Argument("/", help="Namespace path.")) -> None:
         files += 1
         total += item.size
         cached += present
-        typer.echo(f"{_share(present, item.size):>7}  {item.size:>12}  {item.path}")
-    typer.echo(f"{_share(cached, total):>7}  {total:>12}  total ({counted(files, 'file')}, {human_bytes(cached)} cached)")
+        echo(f"{_share(present, item.size):>7}  {item.size:>12}  {item.path}")
+    echo(f"{_share(cached, total):>7}  {total:>12}  total ({counted(files, 'file')}, {human_bytes(cached)} cached)")
 
 
 def _share(part: int, whole: int) -> str:

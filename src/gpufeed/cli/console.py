@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import IO, Any, cast
 
 import typer
 from rich.console import Console
@@ -24,7 +24,32 @@ def _width(stream: Any) -> int | None:
     return None if os.environ.get("COLUMNS") or (terminal is not None and terminal()) else PIPED_WIDTH
 
 
-out = Console(markup=False, highlight=False, soft_wrap=True, width=_width(sys.stdout))
+class _Stdout:
+    """sys.stdout as `out` writes it, looked up at each write (tests swap it): a write that
+    fails (a full disk, a closed descriptor) is one WriteError naming standard output."""
+
+    def write(self, text: str) -> int:
+        return _written(lambda stream: stream.write(text))
+
+    def flush(self) -> None:
+        _written(lambda stream: stream.flush())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys.stdout, name)
+
+
+def _written(call: Any) -> Any:
+    if sys.stdout is None:  # started with descriptor 1 closed (`>&-`)
+        raise WriteError("cannot write to standard output: it is closed")
+    try:
+        return call(sys.stdout)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise WriteError(f"cannot write to standard output: {exc.strerror or exc}") from exc
+
+
+out = Console(file=cast(IO[str], _Stdout()), markup=False, highlight=False, soft_wrap=True, width=_width(sys.stdout))
 """Plain text: a path or URL with brackets in it is printed as it is (rich markup would take
 `[/x]` for a closing tag and fail), and a line piped to a script is not broken at 80 columns."""
 err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True, width=_width(sys.stderr))
@@ -57,17 +82,14 @@ def write_stdout(data: bytes | str, *, flush: bool = False) -> None:
     """Write a command's output; one that cannot be written (a full disk, a dead terminal) is
     one line naming standard output, not an internal error. A closed pipe (`| head`) is no
     error at all: `cli.main.run` ends quietly on BrokenPipeError."""
-    try:
-        if isinstance(data, str):
-            sys.stdout.write(data)
-        else:
-            sys.stdout.buffer.write(data)
-        if flush:
-            sys.stdout.flush()
-    except BrokenPipeError:
-        raise
-    except OSError as exc:
-        raise WriteError(f"cannot write to standard output: {exc.strerror or exc}") from exc
+    _written(lambda stream: stream.write(data) if isinstance(data, str) else stream.buffer.write(data))
+    if flush:
+        _written(lambda stream: stream.flush())
+
+
+def echo(line: str) -> None:
+    """One line of a command's output, as `typer.echo` writes it, failing as `write_stdout` does."""
+    write_stdout(line + "\n", flush=True)
 
 
 def print_json(result: Any, *, indent: int | None = None) -> None:

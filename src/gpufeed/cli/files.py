@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpufeed.cli.console import counted, human_bytes, print_json, when, write_stdout
+from gpufeed.cli.console import counted, echo, human_bytes, print_json, when, write_stdout
 
 if TYPE_CHECKING:
     from gpufeed.client import Client
@@ -48,9 +48,9 @@ def ls(
         name = item.path.rsplit("/", 1)[-1] + ("/" if item.is_dir else "")
         if long:
             size = "-" if item.is_dir else str(item.size)
-            typer.echo(f"{size:>12}  {when(item.mtime):19}  {name}")
+            echo(f"{size:>12}  {when(item.mtime):19}  {name}")
         else:
-            typer.echo(name)
+            echo(name)
 
 
 def stat(path: str = typer.Argument(..., help="Namespace path."), as_json: bool = JsonOption) -> None:
@@ -59,12 +59,12 @@ def stat(path: str = typer.Argument(..., help="Namespace path."), as_json: bool 
     if as_json:
         print_json(_record(item))
         return
-    typer.echo(f"path:     {item.path}")
-    typer.echo(f"type:     {'directory' if item.is_dir else 'file'}")
+    echo(f"path:     {item.path}")
+    echo(f"type:     {'directory' if item.is_dir else 'file'}")
     if not item.is_dir:
-        typer.echo(f"size:     {item.size}")
-        typer.echo(f"modified: {when(item.mtime)}")
-        typer.echo(f"version:  {item.version}")
+        echo(f"size:     {item.size}")
+        echo(f"modified: {when(item.mtime)}")
+        echo(f"version:  {item.version}")
 
 
 def cat(path: list[str] = typer.Argument(..., help="Namespace paths of files.")) -> None:
@@ -86,7 +86,7 @@ def du(path: str = typer.Argument("/", help="Namespace path."), as_json: bool = 
     if as_json:
         print_json({"path": path, "bytes": total, "files": files})
         return
-    typer.echo(f"{total}\t{human_bytes(total)}\t{counted(files, 'file')}\t{path}")
+    echo(f"{total}\t{human_bytes(total)}\t{counted(files, 'file')}\t{path}")
 
 
 def register(app: typer.Typer) -> None:

@@ -9,7 +9,7 @@ import time
 
 import typer
 
-from gpufeed.cli.console import command_group, err
+from gpufeed.cli.console import command_group, echo, err
 from gpufeed.errors import InvalidArgument
 
 app = command_group(help="Read and recover inference logs (gpufeed.logs.Appender).", no_args_is_help=True)
@@ -60,4 +60,4 @@ def recover(path: str = typer.Argument(..., help="Log directory (the Appender's 
     from gpufeed import logs
 
     count = logs.recover(path)
-    typer.echo(f"recovered {path}: {count} segment(s) committed")
+    echo(f"recovered {path}: {count} segment(s) committed")

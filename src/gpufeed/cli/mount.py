@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpufeed.cli.console import command_group, counted, human_bytes, out, print_json, when
+from gpufeed.cli.console import command_group, counted, echo, human_bytes, out, print_json, when
 from gpufeed.cli.progress import Meter
 
 if TYPE_CHECKING:  # the namespace and its engines are imported by the command that runs
@@ -125,7 +125,7 @@ def ls(as_json: bool = typer.Option(False, "--json", help="One JSON array of mou
         lines += [f"  option:   {k}={v}" for k, v in r["options"].items()]
         lines.append(f"  listed:   {when(r['listed_at'])} (manifest generation {r['generation']})")
         blocks.append("\n".join(lines))
-    typer.echo("\n\n".join(blocks))
+    echo("\n\n".join(blocks))
 
 
 @app.command("rm")

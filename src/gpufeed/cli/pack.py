@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import typer
 
-from gpufeed.cli.console import counted, human_bytes, out
+from gpufeed.cli.console import counted, echo, human_bytes, out
 from gpufeed.cli.progress import Meter
 from gpufeed.config import parse_size
 
@@ -64,7 +64,7 @@ def pack(
         raise
     seconds = time.monotonic() - started
     if as_json:
-        typer.echo(json.dumps({**asdict(done), "seconds": round(seconds, 3)}))
+        echo(json.dumps({**asdict(done), "seconds": round(seconds, 3)}))
         return
     if done.up_to_date:
         files, shards = counted(done.files, "file"), counted(done.shards, "shard")
