@@ -62,9 +62,9 @@ def test_copy_reads_the_source_once_then_trains_locally(tmp_path: Path) -> None:
 
 
 def test_cached_reads_the_source_in_epoch_one_only_and_stops_its_agent(tmp_path: Path) -> None:
-    # 40 ms steps: a warm epoch's six (240 ms) leave 24 ms of waiting at 90 % busy, more than a
-    # loaded 2-core machine's scheduling takes; with 10 ms steps a CI run once fell under
-    work = tiny(samples=24, batch=4, compute=0.04, epochs=3, workers=2)
+    # 80 ms steps: a warm epoch's six (480 ms) leave 48 ms of waiting at 90 % busy, more than a
+    # loaded 2-core machine's scheduling takes; 10 ms steps once fell under in CI, 40 ms under load
+    work = tiny(samples=24, batch=4, compute=0.08, epochs=3, workers=2)
     others = _bench_agents()  # another run's on this machine, not this one's
     report = run_bench(BenchConfig(work, dataset(tmp_path / "data", work), modes=(MODES["cached"],), latency_ms=20))
     (cached,) = report.modes

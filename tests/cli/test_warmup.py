@@ -57,8 +57,8 @@ def test_a_killed_warmup_resumes_where_it_stopped(nginx: HttpServer, tmp_path: P
     for i in range(150):
         (site / f"{i:04d}.bin").write_bytes(os.urandom(2000))
     upstream = urlsplit(nginx.url)
-    # 80 ms a request, 2 in flight: the 110 files after the 40th take 4.4 s, time enough for the two
-    # status commands below to start on a slow machine before the kill (30 ms left 1.6 s: too little)
+    # 80 ms a request, 2 in flight; the warmup is stopped (SIGSTOP) while the two status commands
+    # look at it, so a slow machine cannot let it finish before the kill
     with shaping((upstream.hostname, upstream.port), 80, None, tmp_path / "shaper.log") as port:
         Namespace().add_mount("/slow", f"http://127.0.0.1:{port}/{site.name}")
 
@@ -71,6 +71,7 @@ def test_a_killed_warmup_resumes_where_it_stopped(nginx: HttpServer, tmp_path: P
         deadline = time.monotonic() + 60
         while gets() < 40 and time.monotonic() < deadline:
             time.sleep(0.05)
+        warmup.send_signal(signal.SIGSTOP)
         assert f"pid {warmup.pid}: /slow" in ok("warmup", "status")
         [running] = json.loads(ok("warmup", "status", "--json", "/slow"))
         assert (running["pid"], running["paths"], running["files"]) == (warmup.pid, ["/slow"], 150)
