@@ -99,9 +99,11 @@ def entries_from_listing(
 
 
 def _shadowed(stats: ManifestStats, info: ObjectInfo, counted: bool) -> None:
-    """`info` is a file and a directory: the directory's entry stands, the file is named."""
-    stats.shadowed += 1
-    stats.shadowed_key = stats.shadowed_key or info.key
+    """`info` is a file and a directory: the directory's entry stands, the file is named unless
+    empty: S3's folder markers (`dir/`, which the store client lists as `dir`) are no loss."""
+    if info.size:
+        stats.shadowed += 1
+        stats.shadowed_key = stats.shadowed_key or info.key
     if counted:
         stats.files -= 1
         stats.bytes -= info.size
