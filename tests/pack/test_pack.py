@@ -179,6 +179,8 @@ def test_bad_inputs_one_line(bucket: Bucket, tmp_path: Path, dataset: Path) -> N
     Namespace().add_mount("/data", f"file://{dataset}")
     (tmp_path / "a-file").write_bytes(b"x")
     assert "cannot create the destination" in fails(1, "pack", "/data", f"file://{tmp_path}/a-file/pack")
+    assert fails(2, "pack", "/data", "http://127.0.0.1:1/out").endswith(
+        "http://127.0.0.1:1/out: an HTTP server cannot be written; pack into a local dir, s3://, gs:// or az://")
     line = fails(1, "pack", "/data", "s3://no-such-bucket/x", *opts(bucket))
     assert "no-such-bucket" in line and "NoSuchBucket" in line
     (tmp_path / "empty").mkdir()

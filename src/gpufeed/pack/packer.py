@@ -78,6 +78,8 @@ def members(client: Client, nspath: str, order: Path | None) -> list[tuple[str, 
 def destination(url: str, options: dict[str, str], client: Client) -> Source:
     """The store to write to; a local directory is created first."""
     parts = urlsplit(url)
+    if parts.scheme in ("http", "https"):
+        raise InvalidArgument(f"{url}: an HTTP server cannot be written; pack into a local dir, s3://, gs:// or az://")
     if parts.scheme == "file":
         try:
             local_path(parts.path).mkdir(parents=True, exist_ok=True)
