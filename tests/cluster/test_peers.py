@@ -26,6 +26,7 @@ import pytest
 
 from gpufeed.agent.peers import PEER_BATCH_BLOCKS, PEER_BATCH_BYTES, REQUESTS_PER_PEER, OwnerQueue
 from gpufeed.bench.children import free_port
+from gpufeed.client import agent_service
 from gpufeed.client.connection import AgentClient
 from gpufeed.cluster.membership import status
 from gpufeed.namespace import Namespace
@@ -289,6 +290,16 @@ def test_cluster_status_lists_the_live_nodes_and_bad_settings_are_one_line(
     table = subprocess.run([sys.executable, "-m", "gpufeed", "cluster", "status", "--cluster", url],
                            capture_output=True, text=True, timeout=60)
     assert "3 live nodes" in table.stdout and "node1" in table.stdout
+    here = tmp_path / "this-node"
+    here.mkdir()
+    agent_service.remember(here, ["--cluster", url, "--peer-addr", "127.0.0.1:1"])  # as `agent start` does
+    env = {k: v for k, v in os.environ.items() if k != "GPUFEED_CLUSTER"} | {"GPUFEED_CACHE_DIRS": str(here)}
+    argv = [sys.executable, "-m", "gpufeed", "cluster", "status"]
+    default = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert "3 live nodes" in default.stdout, "the cluster this node's agent was started in"
+    agent_service.forget(here)
+    default = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert default.returncode == 2 and "no cluster: give --cluster" in default.stderr
     for argv, needle in [
         (["cluster", "status", "--cluster", "http://nowhere"], "expected redis://HOST:PORT"),
         (["cluster", "status", "--cluster", f"redis://127.0.0.1:{free_port()}/0"], "Connect"),

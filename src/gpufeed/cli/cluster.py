@@ -14,7 +14,9 @@ app = command_group(help="The cache cluster: nodes that share what they cached."
 
 @app.command()
 def status(
-    cluster: str | None = typer.Option(None, "--cluster", help="The cluster's Redis [env: GPUFEED_CLUSTER]."),
+    cluster: str | None = typer.Option(
+        None, "--cluster", help="The cluster's Redis (default: the one this node's agent was started in) [env: GPUFEED_CLUSTER]."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the members as one JSON document."),
 ) -> None:
     """Nodes, addresses, cache use, hit ratio and each node's share of the cluster's store and
@@ -25,9 +27,12 @@ def status(
 
     from gpufeed.cluster.membership import status as members
 
-    url = cluster or Settings.from_env().cluster
+    url = cluster or _this_nodes_cluster()
     if not url:
-        raise InvalidArgument("no cluster: give --cluster redis://HOST:PORT/DB or set GPUFEED_CLUSTER")
+        raise InvalidArgument(
+            "no cluster: give --cluster redis://HOST:PORT/DB, set GPUFEED_CLUSTER, "
+            "or run 'gpufeed agent start --cluster' here first"
+        )
     try:
         nodes = asyncio.run(members(url))
     except (RedisError, OSError) as exc:
@@ -56,3 +61,11 @@ def status(
         out.print(table)
     if not nodes:
         raise typer.Exit(1)
+
+
+def _this_nodes_cluster() -> str | None:
+    """GPUFEED_CLUSTER, else the cluster `gpufeed agent start --cluster` put this node's agent in."""
+    from gpufeed.client import agent_service
+
+    settings = Settings.from_env()
+    return settings.cluster or agent_service.flag(agent_service.remembered(settings.cache_dirs[0]) or [], "--cluster")
