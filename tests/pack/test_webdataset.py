@@ -67,3 +67,15 @@ def test_links_in_a_tar_read_as_the_file_they_name(bucket: Bucket, caplog: pytes
     assert listed == {"/links/img/000001.jpg": 5, "/links/img/copy.jpg": 5, "/links/latest.jpg": 5}
     assert gpufeed.read("/links/img/copy.jpg") == gpufeed.read("/links/latest.jpg") == b"jpeg!"
     assert "shard.tar: 1 link(s) to no regular file of the tar left out (gone.jpg)" in caplog.text
+
+
+def test_tars_in_folders_keep_their_folder(bucket: Bucket) -> None:
+    """WebDataset sets are often split as train/ and val/ with the same member names."""
+    for split in ("train", "val"):
+        bucket.put(f"splits/{split}/shard-000000.tar", shard({"000000.jpg": split.encode(), "000000.cls": b"1"}))
+    bucket.put("splits/top.tar", shard({"readme.txt": b"top"}))
+    Namespace().add_mount("/splits", f"{bucket.url}/splits", {"endpoint": bucket.endpoint, "format": "webdataset"})
+    listed = sorted(f.path for f in gpufeed.walk("/splits"))
+    assert listed == ["/splits/readme.txt", "/splits/train/000000.cls", "/splits/train/000000.jpg",
+                      "/splits/val/000000.cls", "/splits/val/000000.jpg"]
+    assert (gpufeed.read("/splits/train/000000.jpg"), gpufeed.read("/splits/val/000000.jpg")) == (b"train", b"val")

@@ -1,8 +1,9 @@
 """Shard formats other tools write, read in place: what each member is and where its bytes lie
 in its shard, found from the shards' own headers at mount time, never by converting them.
 
-- WebDataset: each `*.tar` at the source root; a member is a regular file of a tar (or a link to one), where it lies
-  comes from the tar headers (for small members, one pass over the tars).
+- WebDataset: each `*.tar` under the source; a member is a regular file of a tar (or a link to
+  one), in the tar's folder, where it lies comes from the tar headers (for small members, one
+  pass over the tars).
 - Mosaic MDS (`index.json`, uncompressed `.mds` shards): sample n's column c is the file
   `{n:08d}.{c}`, its bytes the column's encoded bytes, located from the shard's offset table and
   each sample's size header.
@@ -47,7 +48,9 @@ def webdataset(source: Source) -> Iterator[list[ObjectInfo]]:
     seen: dict[str, str] = {}
     for tar in tars:
         batch: list[ObjectInfo] = []
-        for name, offset, size, mtime in tar_members(source, tar):
+        folder = posixpath.dirname(tar.key)
+        for member, offset, size, mtime in tar_members(source, tar):
+            name = f"{folder}/{member}" if folder else member  # train/ and val/ tars each keep their folder
             if name in seen:
                 raise PackError(f"{source.url}: member {name} is in both {seen[name]} and {tar.key}")
             seen[name] = tar.key
