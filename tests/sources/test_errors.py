@@ -92,6 +92,7 @@ def test_unreachable_endpoint_fails_within_timeout(
         Namespace().add_mount("/remote", url, options)
     assert time.monotonic() - started < 30, "an unreachable endpoint must fail, not hang"
     assert endpoint.removeprefix("http://") in str(caught.value)
+    assert not str(caught.value).startswith(f"{url}/.gpufeed-pack"), "named as the mount's URL, whatever request found it out"
     if server == "refused":
         assert str(caught.value).endswith("(Connection refused)"), "the system's words, not the client library's"
     assert Namespace().mounts() == []

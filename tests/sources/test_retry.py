@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from gpufeed.config import Settings
-from gpufeed.errors import ObjectChanged, ObjectMissing, SourceError
+from gpufeed.errors import ObjectChanged, ObjectMissing, SourceError, SourceUnreachable
 from gpufeed.namespace import Namespace
 from gpufeed.sources import open_source
 from gpufeed.sources.base import ObjectInfo, Source
-from gpufeed.sources.retry import RetryPolicy
+from gpufeed.sources.retry import Retryable, RetryPolicy, call
 from tests.conftest import Bucket, HttpServer
 from tests.sources.flaky import Flaky, flaky_proxy
 
@@ -72,6 +72,23 @@ def test_retries_are_bounded_by_retry_timeout(bucket: Bucket, s3_proxy: Flaky, m
     with pytest.raises(SourceError):
         source.get_range("obj", 0, 4096)
     assert s3_proxy.count("GET", "/obj") == 1, "no time for retries: one attempt"
+
+
+def test_an_attempt_that_cannot_end_before_the_deadline_is_not_made() -> None:
+    """A slow failure (a request timing out) is retried only while another as slow still fits:
+    obstore retries inside each attempt, so retrying past the deadline multiplies the wait."""
+    made = []
+
+    def times_out(seconds: float) -> None:
+        made.append(seconds)
+        time.sleep(seconds)
+        raise Retryable("connection failure", SourceUnreachable("somewhere: timed out"))
+
+    for seconds, attempts in ((0.6, 1), (0.0, 5)):
+        made.clear()
+        with pytest.raises(SourceUnreachable):
+            call(RetryPolicy("somewhere", timeout=1.0, base=0.0), lambda: times_out(seconds))  # noqa: B023
+        assert len(made) == attempts, "a quick failure still gets every attempt"
 
 
 def test_backoff_is_jittered_and_capped() -> None:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing, PackError, SourceError
+from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing, PackError, SourceError, SourceUnreachable
 from gpufeed.pack import in_place
 from gpufeed.pack import index as idx
 from gpufeed.pack.layout import DIR, FORMATS, INDEX_KEY, shard_row
@@ -42,6 +42,8 @@ def detect(source: Source, requested: str) -> str:
         return "files"
     try:
         source.head(INDEX_KEY)
+    except SourceUnreachable as exc:  # the listing would wait as long again to say the same; named as the mount's URL
+        raise SourceUnreachable(str(exc).replace(f"{source.url}/{INDEX_KEY}", source.url, 1)) from None
     except SourceError:  # missing, or a store that refuses: its listing then says why, better than a HEAD can
         return "files"
     return "gpufeed-pack"

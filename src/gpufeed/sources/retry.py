@@ -93,12 +93,18 @@ class Attempts:
             self.policy.note(failure)
         self.recovered.clear()
         self.count = 0
-        self.deadline = time.monotonic() + self.policy.timeout
+        self.started = time.monotonic()
+        self.deadline = self.started + self.policy.timeout
 
     def _next_delay(self, failure: Retryable) -> float:
+        """The wait before the next attempt; none when it could not end in time: an attempt
+        that failed by timing out (an endpoint that accepts and never answers) is not made
+        again past the deadline, where layered retries would multiply the wait."""
         self.count += 1
         delay = self.policy.delay(self.count)
-        if self.count >= self.policy.attempts or time.monotonic() + delay > self.deadline:
+        now = time.monotonic()
+        took, self.started = now - self.started, now + delay
+        if self.count >= self.policy.attempts or now + delay + took > self.deadline:
             _give_up(failure)
         RETRIED[failure.kind] += 1
         self.recovered.append(failure)
