@@ -61,6 +61,15 @@ def test_wrong_argument_types_name_the_argument(mounted: Path) -> None:
     assert gpufeed.read("/data/README", np.int64(2), np.uint8(3)) == b"adm", "numpy integers are integers"
 
 
+def test_mount_options_from_python_may_be_numbers_and_bools(tmp_path: Path) -> None:
+    (tmp_path / "a.bin").write_bytes(b"a")
+    mount, _ = Namespace().add_mount("/typed", str(tmp_path), {"block_size": 65536, "cache": False, "writable": True})
+    assert (mount.options["block_size"], mount.options["cache"], mount.options["writable"]) == ("65536", "off", "true")
+    assert gpufeed.read("/typed/a.bin") == b"a"
+    with pytest.raises(TypeError, match=r"^option block_size=\[4\]: expected a string \(or a number or bool\), got list$"):
+        Namespace().add_mount("/typed2", str(tmp_path), {"block_size": [4]})
+
+
 def test_client_function_survives_importing_the_client_module() -> None:
     code = "import gpufeed, gpufeed.client; from gpufeed.client import Client; print(type(gpufeed.client()).__name__)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ)

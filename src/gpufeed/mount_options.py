@@ -3,6 +3,7 @@ format, writes, cluster copies) and which are handed to the source; and `--opt k
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpufeed.config import Settings, parse_block_size, parse_verify
@@ -68,3 +69,17 @@ def parse_options(pairs: list[str]) -> dict[str, str]:
             raise InvalidArgument(f"--opt {pair!r}: expected key=value")
         options[key] = value
     return options
+
+
+def option_texts(options: Mapping[str, object]) -> dict[str, str]:
+    """Options as the command line gives them: a Python caller's `4096` is "4096", `True` is
+    "on" for `cache` and "true" for the rest; anything else names the option."""
+    texts = {}
+    for key, value in options.items():
+        if isinstance(value, bool):
+            texts[key] = ("on" if value else "off") if key == "cache" else ("true" if value else "false")
+        elif isinstance(value, (str, int, float)):
+            texts[key] = str(value)
+        else:
+            raise TypeError(f"option {key}={value!r}: expected a string (or a number or bool), got {type(value).__name__}")
+    return texts

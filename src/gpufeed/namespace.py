@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,7 @@ from gpufeed.meta import MetaEngine, Mount, open_engine
 from gpufeed.meta.base import Entry
 from gpufeed.meta.checksums import parse_checksums
 from gpufeed.meta.manifest import ManifestStats, write_manifest
-from gpufeed.mount_options import CACHE_OPTIONS, CachePolicy, is_writable, packed, source_options
+from gpufeed.mount_options import CACHE_OPTIONS, CachePolicy, is_writable, option_texts, packed, source_options
 from gpufeed.pack.layout import DIR as PACK_DIR
 from gpufeed.pack.layout import hidden, object_entry
 from gpufeed.pack.tables import MemberTables
@@ -86,7 +86,7 @@ class Namespace:
         self,
         path: str,
         url: str,
-        options: dict[str, str] | None = None,
+        options: Mapping[str, object] | None = None,
         *,
         immutable: bool = False,
         max_age: float | None = None,
@@ -110,11 +110,11 @@ class Namespace:
             raise InvalidArgument("--immutable and --max-age exclude each other")
         if max_age is not None and not (math.isfinite(max_age) and max_age >= 0):
             raise InvalidArgument(f"--max-age {max_age}: must be a number of seconds >= 0")
-        options = {**(options or {}), **({"writable": "true"} if writable else {})}
-        mount = Mount(path, url, options, immutable=immutable, max_age=max_age)
+        texts = {**option_texts(options or {}), **({"writable": "true"} if writable else {})}
+        mount = Mount(path, url, texts, immutable=immutable, max_age=max_age)
         policy = CachePolicy.of(mount, self.settings)
-        if "block_size" not in options:  # the default of this process, for every reader of the mount
-            mount = replace(mount, options={**options, "block_size": size_text(policy.block_size)})
+        if "block_size" not in texts:  # the default of this process, for every reader of the mount
+            mount = replace(mount, options={**texts, "block_size": size_text(policy.block_size)})
         if mount.options.get("writable", "false") not in ("true", "false"):
             raise InvalidArgument(f"{path}: option writable={mount.options['writable']!r}: expected true or false")
         if is_writable(mount) and url.startswith(("http://", "https://")):
