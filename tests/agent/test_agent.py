@@ -263,6 +263,17 @@ def test_cache_off_mount_writes_no_blocks(tmp_path: Path, gpufeed_home: Path) ->
     assert block_files(gpufeed_home / "cache") == []
 
 
+def test_a_cache_dir_that_is_a_file_is_named_and_reads_go_on(tmp_path: Path, files: dict[str, bytes]) -> None:
+    (tmp_path / "cache").write_bytes(b"someone's file")
+    env = {**os.environ, "GPUFEED_CACHE_DIRS": str(tmp_path / "cache")}
+    read = subprocess.run([sys.executable, "-m", "gpufeed", "cat", "/data/00001.bin"], capture_output=True, env=env, timeout=120)
+    assert (read.returncode, read.stdout) == (0, files["00001.bin"])
+    assert read.stderr.decode() == (
+        f"gpufeed: warning: cache dir {tmp_path / 'cache'}: not a directory (a file is in the way); reading without the cache\n"
+    )
+    assert (tmp_path / "cache").read_bytes() == b"someone's file"
+
+
 def test_full_filesystem_serves_uncached_with_one_warning(tmp_path: Path, files: dict[str, bytes]) -> None:
     tiny = tmp_path / "tiny"
     tiny.mkdir()

@@ -78,7 +78,7 @@ def spawn_agent(settings: Settings, idle_timeout: float | None) -> subprocess.Po
     service `agent start` made for that dir, if it made one (`agent_service`), else one with
     these settings."""
     primary = settings.cache_dirs[0]
-    primary.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_cache_dir(primary)
     service = agent_service.remembered(primary)
     argv = agent_command(settings, idle_timeout) if service is None else [*AGENT_ENTRY, *service]
     with open(primary / "agent.log", "ab") as log:
@@ -91,11 +91,19 @@ def spawn_agent(settings: Settings, idle_timeout: float | None) -> subprocess.Po
         )
 
 
+def make_cache_dir(primary: Path) -> None:
+    """The primary cache dir, made if missing; a path in the way is named, not 'File exists'."""
+    try:
+        primary.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise AgentUnavailable(f"cache dir {primary}: not a directory (a file is in the way)") from None
+
+
 @contextmanager
 def _node_start_lock(primary: Path) -> Iterator[None]:
     """Held while starting the agent for `primary`; waits at most START_TIMEOUT_S for another
     starter (then goes ahead: the agent's own lock still admits only one)."""
-    primary.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_cache_dir(primary)
     fd = os.open(primary / "start.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
