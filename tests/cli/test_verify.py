@@ -38,6 +38,8 @@ def test_verify_reports_each_mismatch_and_exits_1(dataset: Path, tmp_path: Path)
     sums.write_text(f"{right}  train/cats/1.jpg\n{wrong}  ./train/cats/2.jpg\n{'0' * 64}  nowhere.bin\n")
     added = ok("mount", "add", "/data", f"file://{dataset}", "--checksums", str(sums))
     assert "6 listed files without a hash, 1 hash naming no listed object" in added
+    shown = json.loads(ok("mount", "add", "/again", f"file://{dataset}", "--checksums", str(sums), "--json"))
+    assert (shown["files"], shown["unhashed"], shown["unlisted"], shown["skipped"]) == (8, 6, 1, 0), "--json counts them too"
     result = gpufeed("verify", "/data/train/cats")
     assert result.returncode == 1, (result.stdout, result.stderr)
     [line] = [line for line in result.stderr.splitlines() if "mismatch" in line]

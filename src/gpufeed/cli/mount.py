@@ -90,7 +90,10 @@ def add(
             listed=lambda s: meter.update(s.files, s.bytes),
         )
     if as_json:
-        print_json({**_record(mount), "files": stats.files, "bytes": stats.bytes})
+        counts = {"files": stats.files, "bytes": stats.bytes, "skipped": stats.skipped, "shadowed": stats.shadowed}
+        if stats.unhashed is not None:  # with --checksums: listed files it has no hash for, its hashes naming no file
+            counts |= {"unhashed": stats.unhashed, "unlisted": stats.unlisted or 0}
+        print_json({**_record(mount), **counts})
         return
     out.print(f"mounted {mount.url} at {mount.path}: {_summary(stats)}", highlight=False)
 
