@@ -102,6 +102,9 @@ def test_empty_prefix_fails_with_a_hint(dataset: Path) -> None:
     line = fails(1, "mount", "add", "/data", f"file://{dataset}/trian")
     assert f"no objects under this prefix; did you mean file://{dataset}/train? (--allow-empty mounts it anyway)" in line
     assert "mounted" in ok("mount", "add", "/data", f"file://{dataset}/trian", "--allow-empty")
+    (dataset / "trian").rmdir()
+    line = fails(1, "mount", "add", "/other", f"file://{dataset}/tarin")
+    assert line.endswith(f"/tarin: no such directory; did you mean file://{dataset}/train?"), "a missing directory too"
 
 
 def test_mount_ls_shows_full_values(dataset: Path, tmp_path: Path) -> None:

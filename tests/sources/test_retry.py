@@ -54,7 +54,8 @@ def test_a_get_survives_each_kind_of_failure(bucket: Bucket, s3_proxy: Flaky, fa
     assert s3_proxy.count("GET", "/obj") == times + 1, "the spoiled answers, then the good one"
 
 
-def test_retries_are_bounded_by_attempts(bucket: Bucket, s3_proxy: Flaky) -> None:
+def test_retries_are_bounded_by_attempts(bucket: Bucket, s3_proxy: Flaky, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFEED_RETRY_TIMEOUT", "60")  # time for every attempt, however slow this machine
     bucket.put("obj", DATA)
     source = s3_source(bucket, s3_proxy)
     s3_proxy.plan("truncate", match="/obj", forever=True)

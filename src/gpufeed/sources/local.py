@@ -10,6 +10,7 @@ listed one), and the content hash when the whole object is read.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
@@ -83,7 +84,7 @@ class LocalSource(ObstoreSource):
         serves every block the cache holds; only what must reach the directory fails."""
         if self._store is None:
             if not os.path.isdir(self.root):
-                raise PathNotFound(f"{self.url}: no such directory")
+                raise self._no_directory()
             try:
                 self._store = LocalStore(prefix=self.root)
             except (obx.GenericError, ValueError) as exc:
@@ -103,7 +104,7 @@ class LocalSource(ObstoreSource):
         mtime in µs, size) its HEAD gives, so a --max-age check agrees with the listing."""
         root = self.root
         if not os.path.isdir(root):
-            raise PathNotFound(f"{self.url}: no such directory")
+            raise self._no_directory()
         skipped: list[str] = []
         batch: list[ObjectInfo] = []
         pending = [(root, "", frozenset({_identity(os.stat(root))}))]
@@ -145,12 +146,23 @@ class LocalSource(ObstoreSource):
             more = f" and {len(skipped) - SKIPS_NAMED} more" if len(skipped) > SKIPS_NAMED else ""
             log.warning("%s: skipped %d entries: %s%s", self.url, len(skipped), "; ".join(skipped[:SKIPS_NAMED]), more)
 
+    def _no_directory(self) -> PathNotFound:
+        """The directory is missing: with the sibling whose name is closest, as a typo's hint."""
+        parent, name = os.path.split(self.root.rstrip("/"))
+        try:
+            siblings = [entry.name for entry in os.scandir(parent) if entry.is_dir() and entry.name != name]
+        except OSError:
+            siblings = []
+        near = difflib.get_close_matches(name, siblings, n=1)
+        hint = f"; did you mean {self.url.rstrip('/').rpartition('/')[0]}/{near[0]}?" if near else ""
+        return PathNotFound(f"{self.url}: no such directory{hint}")
+
     def translate(self, exc: Exception, key: str = "") -> Exception:
         """An object missing because its whole directory is (an unmounted export, a moved dataset)
         says so, rather than that the object was deleted."""
         missing = isinstance(exc, FileNotFoundError | obx.NotFoundError) and not os.path.isdir(self.root)
         if missing or isinstance(exc, PathNotFound):
-            return PathNotFound(f"{self.url}: no such directory")
+            return self._no_directory()
         return super().translate(exc, key)
 
     def get_range(
