@@ -49,6 +49,9 @@ def test_file_mount_session(dataset: Path) -> None:
     assert "size:     2001" in stat and "type:     file" in stat
     assert ok("cat", "/data/README") == "readme\n"
     assert ok("cat", "/data/README", "/data/empty.bin", "/data/README") == "readme\nreadme\n", "as cat joins files"
+    partly = gpufeed("cat", "/data/README", "/data/nope", "/data/train", "/data/README")
+    assert (partly.returncode, partly.stdout) == (1, "readme\nreadme\n"), "as POSIX cat: the others are still written"
+    assert [line.split(":")[2] for line in partly.stderr.splitlines()] == [" /data/nope", " /data/train"], partly.stderr
     assert ok("du", "/data/train").split("\t")[0] == str(3003 + 6003)
     assert json.loads(ok("du", "/data/train", "--json")) == {"path": "/data/train", "bytes": 3003 + 6003, "files": 6}
     listed = json.loads(ok("ls", "--json", "/data"))

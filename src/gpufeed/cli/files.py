@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpufeed.cli.console import counted, echo, human_bytes, print_json, when, write_stdout
+from gpufeed.cli.console import counted, echo, err, human_bytes, print_json, when, write_stdout
+from gpufeed.errors import GpufeedError, WriteError
 
 if TYPE_CHECKING:
     from gpufeed.client import Client
@@ -68,13 +69,26 @@ def stat(path: str = typer.Argument(..., help="Namespace path."), as_json: bool 
 
 
 def cat(path: list[str] = typer.Argument(..., help="Namespace paths of files.")) -> None:
-    """Write the files' bytes to standard output, one after another."""
+    """Write the files' bytes to standard output, one after another. As POSIX cat, a file that
+    cannot be read is named on stderr and the others are still written; the exit code is then 1."""
     client = _client()
+    failed = False
     for one in path:
-        with client.open(one) as f:
-            while chunk := f.read(CAT_CHUNK):
-                write_stdout(chunk)
+        try:
+            with client.open(one) as f:
+                while chunk := f.read(CAT_CHUNK):
+                    write_stdout(chunk)
+        except WriteError:
+            raise
+        except GpufeedError as exc:
+            if len(path) == 1:
+                raise
+            write_stdout(b"", flush=True)  # what came before, before the error line
+            err.print(f"gpufeed: error: {exc}")
+            failed = True
     write_stdout(b"", flush=True)
+    if failed:
+        raise typer.Exit(1)
 
 
 def du(path: str = typer.Argument("/", help="Namespace path."), as_json: bool = JsonOption) -> None:
