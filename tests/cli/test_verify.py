@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -48,14 +49,20 @@ def test_verify_reports_each_mismatch_and_exits_1(dataset: Path, tmp_path: Path)
     assert "1 hash recorded, 1 matched, 1 mismatched" in result.stdout
 
 
-def test_files_changed_or_deleted_at_the_source_are_reported_and_the_rest_still_checked(dataset: Path) -> None:
-    ok("mount", "add", "/data", f"file://{dataset}")
+def _change_one_delete_one_and_verify(dataset: Path, nspath: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """Change train/cats/1.jpg, delete train/dogs/2.jpg, verify: the run and its two mismatch lines."""
     (dataset / "train/cats/1.jpg").write_bytes(b"a new version, another size")
     (dataset / "train/dogs/2.jpg").unlink()
-    result = gpufeed("verify", "/data/train")
+    result = gpufeed("verify", nspath)
     assert result.returncode == 1, (result.stdout, result.stderr)
     failed = sorted(line for line in result.stderr.splitlines() if line.startswith("gpufeed: mismatch: "))
     assert len(failed) == 2, result.stderr
+    return result, failed
+
+
+def test_files_changed_or_deleted_at_the_source_are_reported_and_the_rest_still_checked(dataset: Path) -> None:
+    ok("mount", "add", "/data", f"file://{dataset}")
+    result, failed = _change_one_delete_one_and_verify(dataset, "/data/train")
     assert "/data/train/cats/1.jpg: recorded -; the read failed: " in failed[0] and "changed at the source" in failed[0]
     assert "/data/train/dogs/2.jpg: recorded -; the read failed: " in failed[1] and "deleted at the source" in failed[1]
     assert "4 hashes recorded, 0 matched, 2 mismatched" in result.stdout, result.stdout
@@ -68,12 +75,7 @@ def test_cached_files_changed_or_deleted_at_the_source_are_reported(dataset: Pat
     ok("mount", "add", "/data", f"file://{dataset}")
     ok("verify", "/data")
     ok("warmup", "/data")
-    (dataset / "train/cats/1.jpg").write_bytes(b"a new version, another size")
-    (dataset / "train/dogs/2.jpg").unlink()
-    result = gpufeed("verify", "/data")
-    assert result.returncode == 1, (result.stdout, result.stderr)
-    failed = sorted(line for line in result.stderr.splitlines() if line.startswith("gpufeed: mismatch: "))
-    assert len(failed) == 2, result.stderr
+    result, failed = _change_one_delete_one_and_verify(dataset, "/data")
     assert failed[0].startswith("gpufeed: mismatch: /data/train/cats/1.jpg: recorded sha256:")
     assert f"; file://{dataset}/train/cats/1.jpg: changed at the source since mount /data was listed" in failed[0]
     assert f"; file://{dataset}/train/dogs/2.jpg: deleted at the source since mount /data was listed" in failed[1]
