@@ -137,7 +137,7 @@ def gone_from_source(client: Client, files: list[FileStat]) -> dict[str, str]:
         for key, (listed_info, paths) in keys.items():
             found = now.get(key)
             if found is None or not same_version(listed_info, found):
-                what, detail = ("deleted", "not in its listing now") if found is None else ("changed", f"version {found.version}")
+                what, detail = ("deleted", "no such object now") if found is None else ("changed", f"now version {found.version}")
                 for path in paths:
                     why[path] = since_listed(f"{source.url}/{key}", what, mount_path, detail)
     return why
