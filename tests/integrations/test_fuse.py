@@ -527,3 +527,9 @@ def test_removing_a_mount_a_view_serves_is_refused_unless_forced(tmp_path: Path,
     assert sorted(os.listdir(mountpoint)) == ["00000.bin", "00001.bin"], "the view still shows the mount's files"
     assert "removed mount /data" in ok("mount", "rm", "/data", "--force")
     assert "no such mount" in fails(1, "mount", "rm", "/data")
+
+
+def test_each_mountpoint_has_its_own_state_and_log_file(tmp_path: Path) -> None:
+    """`/` is written `_` in the file's name: an `_` of the path must not make two mountpoints one."""
+    named = [fuse_mounts.state_file(tmp_path, Path(p)).name for p in ("/tmp/mnt", "/x/a_b/c", "/x/a/b_c", "/x/a%5Fb/c")]
+    assert named[0] == "tmp_mnt.json" and len(set(named)) == 4, named

@@ -170,8 +170,10 @@ def daemon_argv(mountpoint: Path, nspath: str, warmup: bool, read_ahead: bool = 
 
 
 def state_file(home: Path, mountpoint: Path) -> Path:
-    """Where a mount's daemon writes its state (`gpufeed fuse ls` reads it)."""
-    return home / "fuse" / (str(mountpoint).strip("/").replace("/", "_") + ".json")
+    """Where a mount's daemon writes its state (`gpufeed fuse ls` reads it): the mountpoint with
+    its `/` as `_` (`tmp_mnt.json`), and `_` and `%` escaped so `/a_b/c` and `/a/b_c` differ."""
+    name = str(mountpoint).strip("/").replace("%", "%25").replace("_", "%5F").replace("/", "_")
+    return home / "fuse" / (name + ".json")
 
 
 def log_file(settings: Settings, mountpoint: Path) -> Path:
