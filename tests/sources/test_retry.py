@@ -76,20 +76,21 @@ def test_retries_are_bounded_by_retry_timeout(bucket: Bucket, s3_proxy: Flaky, m
 
 
 def test_an_attempt_that_cannot_end_before_the_deadline_is_not_made() -> None:
-    """A slow failure (a request timing out) is retried only while another as slow still fits:
+    """A store unreachable after a long wait is tried again only while another wait as long fits:
     obstore retries inside each attempt, so retrying past the deadline multiplies the wait."""
     made = []
 
-    def times_out(seconds: float) -> None:
+    def fails(seconds: float, error: SourceError) -> None:
         made.append(seconds)
         time.sleep(seconds)
-        raise Retryable("connection failure", SourceUnreachable("somewhere: timed out"))
+        raise Retryable("connection failure" if isinstance(error, SourceUnreachable) else "broken response body", error)
 
-    for seconds, attempts in ((0.6, 1), (0.0, 5)):
+    unreachable, broken = SourceUnreachable("somewhere: timed out"), SourceError("somewhere: the body broke off")
+    for seconds, error, attempts in ((0.6, unreachable, 1), (0.0, unreachable, 5), (0.4, broken, 3)):
         made.clear()
-        with pytest.raises(SourceUnreachable):
-            call(RetryPolicy("somewhere", timeout=1.0, base=0.0), lambda: times_out(seconds))  # noqa: B023
-        assert len(made) == attempts, "a quick failure still gets every attempt"
+        with pytest.raises(type(error)):
+            call(RetryPolicy("somewhere", timeout=1.0, base=0.0), lambda: fails(seconds, error))  # noqa: B023
+        assert len(made) == attempts, (seconds, error, "a quick failure, or a slow one of another kind, is retried")
 
 
 def test_backoff_is_jittered_and_capped() -> None:

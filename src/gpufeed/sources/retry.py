@@ -19,6 +19,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
 
+from gpufeed.errors import SourceUnreachable
+
 T = TypeVar("T")
 
 log = logging.getLogger("gpufeed")
@@ -97,14 +99,17 @@ class Attempts:
         self.deadline = self.started + self.policy.timeout
 
     def _next_delay(self, failure: Retryable) -> float:
-        """The wait before the next attempt; none when it could not end in time: an attempt
-        that failed by timing out (an endpoint that accepts and never answers) is not made
-        again past the deadline, where layered retries would multiply the wait."""
+        """The wait before the next attempt; none past the deadline. A store that could not be
+        reached after a long wait (an endpoint that accepts and never answers, each attempt a
+        request timeout under obstore's own retries) is not tried again when another wait as
+        long would end past the deadline: the layers' retries would multiply it. A slow failure
+        of another kind (a body that breaks off late in a big GET) is retried as before."""
         self.count += 1
         delay = self.policy.delay(self.count)
         now = time.monotonic()
         took, self.started = now - self.started, now + delay
-        if self.count >= self.policy.attempts or now + delay + took > self.deadline:
+        expected = took if isinstance(failure.error, SourceUnreachable) else 0.0
+        if self.count >= self.policy.attempts or now + delay + expected > self.deadline:
             _give_up(failure)
         RETRIED[failure.kind] += 1
         self.recovered.append(failure)
