@@ -15,24 +15,29 @@ bounded.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from gpufeed.errors import ObjectChanged, ObjectCorrupted, ObjectMissing
+from gpufeed.errors import ObjectChanged, ObjectCorrupted, ObjectMissing, PathNotFound, SourceError
+from gpufeed.mount_options import is_writable
 from gpufeed.paths import since_listed
-from gpufeed.sources.base import ObjectInfo, same_version
+from gpufeed.sources.base import ObjectInfo, Source, same_version
 
 if TYPE_CHECKING:
     from gpufeed.client import Client
     from gpufeed.paths import FileStat
 
+log = logging.getLogger(__name__)
 BATCH_BYTES = 64 << 20
 BATCH_FILES = 256
 CHUNK = 16 << 20
 HEAD_AT_MOST = 256
 """Up to this many objects of a mount are checked at the source by a HEAD each; more by one listing."""
+HEAD_CONCURRENCY = 16
 RECORD_EVERY = 1000
 """Hashes are written to the manifest this many at a time, so a stopped verify keeps most."""
 FILE_FAILURES = (ObjectCorrupted, ObjectChanged, ObjectMissing)
@@ -110,13 +115,17 @@ class _Recorder:
 
 def gone_from_source(client: Client, files: list[FileStat]) -> dict[str, str]:
     """Path -> why, for each hashed file whose object (a pack member's: its shard) the store no
-    longer holds at the version the mount listed."""
+    longer holds at the version the mount listed. A write still uploading (listed with its hash
+    and no store version yet) is not asked about; a store that cannot be asked leaves its files
+    to the cache-only check, with one warning."""
     wanted: dict[str, dict[str, tuple[ObjectInfo, list[str]]]] = defaultdict(dict)
     for item in files:
         if item.content_hash is None or item.info is None:
             continue  # read from the store, pinned to the listed version: a change fails that read
         where = client.namespace.resolve(item.path)
         assert where is not None
+        if item.info.etag is None and item.info.pack_key is None and is_writable(where.mount):
+            continue  # written here: the agent holds its bytes until the upload lands
         keys = wanted[where.mount.path]
         key = item.info.pack_key or item.info.key
         if key not in keys:
@@ -125,15 +134,12 @@ def gone_from_source(client: Client, files: list[FileStat]) -> dict[str, str]:
     why: dict[str, str] = {}
     for mount_path, keys in wanted.items():
         source = client.namespace.source(client.namespace.mount(mount_path))
-        now: dict[str, ObjectInfo] = {}
-        if len(keys) <= HEAD_AT_MOST:
-            for key in keys:
-                try:
-                    now[key] = source.head(key)
-                except ObjectMissing:
-                    pass
-        else:
-            now = {info.key: info for batch in source.list() for info in batch if info.key in keys}
+        try:
+            now = _now_at(source, list(keys))
+        except (SourceError, PathNotFound) as exc:
+            log.warning("cannot ask %s whether files under %s changed (%s): checked against the cache only",
+                        source.url, mount_path, exc)
+            continue
         for key, (listed_info, paths) in keys.items():
             found = now.get(key)
             if found is None or not same_version(listed_info, found):
@@ -141,6 +147,23 @@ def gone_from_source(client: Client, files: list[FileStat]) -> dict[str, str]:
                 for path in paths:
                     why[path] = since_listed(f"{source.url}/{key}", what, mount_path, detail)
     return why
+
+
+def _now_at(source: Source, keys: list[str]) -> dict[str, ObjectInfo]:
+    """What the store holds now of `keys`: a HEAD each (HEAD_CONCURRENCY at a time) for a few,
+    one listing of the source for many."""
+    if len(keys) > HEAD_AT_MOST:
+        wanted = set(keys)
+        return {info.key: info for batch in source.list() for info in batch if info.key in wanted}
+
+    def head(key: str) -> ObjectInfo | None:
+        try:
+            return source.head(key)
+        except ObjectMissing:
+            return None
+
+    with ThreadPoolExecutor(HEAD_CONCURRENCY) as pool:
+        return {key: info for key, info in zip(keys, pool.map(head, keys), strict=True) if info is not None}
 
 
 def verify(client: Client, target: Listed, progress: Callable[[Verified], None] = lambda _: None) -> Verified:

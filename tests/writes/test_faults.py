@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import signal
 import threading
@@ -13,7 +14,9 @@ import time
 import pytest
 
 import gpufeed
+from gpufeed import verify as verifying
 from gpufeed.bench.faults import FaultControl
+from gpufeed.client import Client
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, WriteError
@@ -139,3 +142,29 @@ def test_a_removal_cut_by_kill_9_leaves_no_listed_object_the_store_lacks(bucket:
     listed = [item.path for item in gpufeed.walk("/out")]
     assert listed == ["/out/keep/a.bin"], "the removal under way is not listed"
     assert stored(bucket, "keep/a.bin") == gpufeed.read("/out/keep/a.bin") == bodies["keep/a.bin"]
+
+
+def test_verify_leaves_writes_still_uploading_and_an_unreachable_store_to_the_cache(
+    bucket: Bucket, moto_faults: FaultControl, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write not yet in the store is no 'deleted at the source'; a store that cannot be asked
+    whether cached files changed leaves them to the cache-only check, with one warning."""
+    monkeypatch.setenv("GPUFEED_RETRY_TIMEOUT", "0.2")
+    writable_through(moto_faults, bucket)
+    gpufeed.write("/out/landed.bin", b"in the store")
+    gpufeed.sync("/out")
+    client = Client()
+    try:
+        moto_faults.configure(rates={"503": 1.0}, path_filter="pending/")
+        gpufeed.write("/out/pending/a.bin", b"staged here")  # its upload fails: only this node holds it
+        with caplog.at_level(logging.WARNING, logger="gpufeed"):
+            done = verifying.verify(client, verifying.listed(client, "/out/pending"))
+        assert (done.files, done.matched, done.mismatches) == (1, 1, []) and "cannot ask" not in caplog.text
+        moto_faults.configure(rates={"503": 1.0}, path_filter="")
+        with caplog.at_level(logging.WARNING, logger="gpufeed"):
+            done = verifying.verify(client, verifying.listed(client, "/out/landed.bin"))
+        assert (done.files, done.matched, done.mismatches) == (1, 1, [])
+        assert f"cannot ask {bucket.url} whether files under /out changed" in caplog.text
+    finally:
+        moto_faults.configure(rates={})
+        client.close()
