@@ -61,12 +61,19 @@ def test_links_in_a_tar_read_as_the_file_they_name(bucket: Bucket, caplog: pytes
             link = tarfile.TarInfo(name)
             link.type, link.linkname = kind, target
             tar.addfile(link)
+        first = tarfile.TarInfo("replaced.jpg")  # a link, then a file of that name: the file, as tar extracts it
+        first.type, first.linkname = tarfile.SYMTYPE, "img/000001.jpg"
+        tar.addfile(first)
+        again = tarfile.TarInfo("replaced.jpg")
+        again.size = 3
+        tar.addfile(again, io.BytesIO(b"new"))
     bucket.put("links/shard.tar", out.getvalue())
     Namespace().add_mount("/links", f"{bucket.url}/links", {"endpoint": bucket.endpoint, "format": "webdataset"})
     listed = {f.path: f.size for f in gpufeed.walk("/links")}
-    assert listed == {"/links/img/000001.jpg": 5, "/links/img/copy.jpg": 5, "/links/latest.jpg": 5}
+    assert listed == {"/links/img/000001.jpg": 5, "/links/img/copy.jpg": 5, "/links/latest.jpg": 5, "/links/replaced.jpg": 3}
     assert gpufeed.read("/links/img/copy.jpg") == gpufeed.read("/links/latest.jpg") == b"jpeg!"
-    assert "shard.tar: 1 link(s) to no regular file of the tar left out (gone.jpg)" in caplog.text
+    assert gpufeed.read("/links/replaced.jpg") == b"new"
+    assert f"{bucket.url}/links: 1 link(s) to no regular file of their tar left out (shard.tar/gone.jpg)" in caplog.text
 
 
 def test_tars_in_folders_keep_their_folder(bucket: Bucket) -> None:

@@ -46,23 +46,27 @@ def webdataset(source: Source) -> Iterator[list[ObjectInfo]]:
         raise PackError(f"{source.url}: no .tar shards to mount as a WebDataset")
     yield [shard_row(tar) for tar in tars]
     seen: dict[str, str] = {}
+    dangling: list[str] = []
     for tar in tars:
         batch: list[ObjectInfo] = []
         folder = posixpath.dirname(tar.key)
-        for member, offset, size, mtime in tar_members(source, tar):
+        for member, offset, size, mtime in tar_members(source, tar, dangling):
             name = f"{folder}/{member}" if folder else member  # train/ and val/ tars each keep their folder
             if name in seen:
                 raise PackError(f"{source.url}: member {name} is in both {seen[name]} and {tar.key}")
             seen[name] = tar.key
             batch.append(ObjectInfo(name, size, mtime, None, None, tar.key, offset, size))
         yield batch
+    if dangling:
+        log.warning("%s: %d link(s) to no regular file of their tar left out (%s)", source.url, len(dangling), dangling[0])
 
 
-def tar_members(source: Source, tar: ObjectInfo) -> Iterator[tuple[str, int, int, float]]:
-    """(name, data offset, size, mtime) of each regular file in the tar, from its headers. A hard
-    or symbolic link to a regular file of the same tar is that file's bytes under the link's
-    name (tar keeps a hard link's second name only as a link); any other link is left out with
-    one warning per tar, since its bytes are not in the shard."""
+def tar_members(source: Source, tar: ObjectInfo, dangling: list[str]) -> Iterator[tuple[str, int, int, float]]:
+    """(name, data offset, size, mtime) of each regular file in the tar, from its headers; a
+    name found twice is its last member, as tar extracts it. A hard or symbolic link to a
+    regular file of the same tar is that file's bytes under the link's name (tar keeps a hard
+    link's second name only as a link); any other link is added to `dangling` (`tar/name`) and
+    left out, since its bytes are not in the shard."""
     reader = _Ranged(source, tar)
     files: dict[str, tuple[str, int, int, float]] = {}
     links: dict[str, str] = {}
@@ -72,13 +76,15 @@ def tar_members(source: Source, tar: ObjectInfo) -> Iterator[tuple[str, int, int
                 name = posixpath.normpath(member.name.removeprefix("./"))
                 if member.isreg():
                     files[name] = (name, member.offset_data, member.size, float(member.mtime))
-                elif member.islnk():
+                    links.pop(name, None)
+                elif member.islnk():  # names the other member as the archive does
                     links[name] = posixpath.normpath(member.linkname.removeprefix("./"))
-                elif member.issym():
+                    files.pop(name, None)
+                elif member.issym():  # relative to the link's folder
                     links[name] = posixpath.normpath(posixpath.join(posixpath.dirname(name), member.linkname))
+                    files.pop(name, None)
     except tarfile.TarError as exc:
         raise PackError(f"{source.url}/{tar.key}: not a readable tar ({exc})") from None
-    dangling = []
     for name, target in links.items():
         for _ in range(40):  # as the kernel's limit on nested symlinks
             if target not in links:
@@ -87,10 +93,7 @@ def tar_members(source: Source, tar: ObjectInfo) -> Iterator[tuple[str, int, int
         if target in files:
             files[name] = (name, *files[target][1:])
         else:
-            dangling.append(name)
-    if dangling:
-        where = f"{source.url}/{tar.key}"
-        log.warning("%s: %d link(s) to no regular file of the tar left out (%s)", where, len(dangling), dangling[0])
+            dangling.append(f"{tar.key}/{name}")
     yield from sorted(files.values(), key=lambda member: member[1])
 
 
