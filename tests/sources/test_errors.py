@@ -304,13 +304,18 @@ def test_a_json_index_with_bad_entries_is_one_error_naming_the_page() -> None:
         "/noname/": ([good | {"name": None}], "not an nginx JSON index (Expected `str`, got `null` - at `$[0].name`)"),
         "/ints/": ([1, 2, 3], "not an nginx JSON index (Expected `object`, got `int` - at `$[0]`)"),
         "/date/": ([good | {"mtime": "yesterday"}], "entry 'x.bin': mtime 'yesterday' is not an HTTP date"),
+        "/huge/": ([good | {"size": 2**70}], "not an nginx JSON index (Expected `int` <= 9223372036854775807 - at `$[0].size`)"),
     }
+    lenient = [good | {"size": 3.0, "mtime": None}, {"name": "sub", "type": "directory"}, {"name": "odd", "size": 1}]
     _JsonIndexHandler.pages = {path: json.dumps(page).encode() for path, (page, _) in cases.items()}
+    _JsonIndexHandler.pages |= {"/lenient/": json.dumps(lenient).encode(), "/lenient/sub/": b"[]"}
     try:
         for path, (_, message) in cases.items():
             with pytest.raises(SourceError) as raised:
                 Namespace().add_mount("/web", url + path)
             assert str(raised.value) == f"{url}{path}: {message}"
+        _, stats = Namespace().add_mount("/web", url + "/lenient")  # what nginx never writes but the old reader took
+        assert (stats.files, stats.bytes) == (1, 3)
     finally:
         server.shutdown()
         thread.join()

@@ -75,9 +75,9 @@ class IndexEntry(msgspec.Struct):
     """One entry of nginx's JSON index (`autoindex_format json`); a file's size is required."""
 
     name: Annotated[str, msgspec.Meta(min_length=1)]
-    type: str
-    size: Annotated[int, msgspec.Meta(ge=0)] = -1
-    mtime: str = ""
+    type: str = ""
+    size: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = -1
+    mtime: str | None = None
 
     def modified(self, page: str) -> float:
         try:
@@ -121,7 +121,7 @@ async def _index_page_once(session: aiohttp.ClientSession, url: str) -> list[Ind
             "give a listing file with --list FILE (or --opt list=FILE)"
         )
     try:
-        entries = msgspec.convert(page, list[IndexEntry])
+        entries = msgspec.convert(page, list[IndexEntry], strict=False)  # a size of 12.0 is 12, as before
     except msgspec.ValidationError as exc:
         raise SourceError(f"{url}: not an nginx JSON index ({exc})") from None
     for entry in entries:
