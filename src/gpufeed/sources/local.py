@@ -160,9 +160,10 @@ class LocalSource(ObstoreSource):
     def translate(self, exc: Exception, key: str = "") -> Exception:
         """An object missing because its whole directory is (an unmounted export, a moved dataset)
         says so, rather than that the object was deleted."""
-        missing = isinstance(exc, FileNotFoundError | obx.NotFoundError) and not os.path.isdir(self.root)
-        if missing or isinstance(exc, PathNotFound):
-            return self._no_directory()
+        if isinstance(exc, PathNotFound):
+            return exc  # `_no_directory`'s, with its hint: listing and HEAD meet it first
+        if isinstance(exc, FileNotFoundError | obx.NotFoundError) and not os.path.isdir(self.root):
+            return PathNotFound(f"{self.url}: no such directory")  # a read: no scan of the parent for a hint
         return super().translate(exc, key)
 
     def get_range(
