@@ -63,8 +63,9 @@ def test_wrong_argument_types_name_the_argument(mounted: Path) -> None:
 
 def test_mount_options_from_python_may_be_numbers_and_bools(tmp_path: Path) -> None:
     (tmp_path / "a.bin").write_bytes(b"a")
-    mount, _ = Namespace().add_mount("/typed", str(tmp_path), {"block_size": 65536, "cache": False, "writable": True})
-    assert (mount.options["block_size"], mount.options["cache"], mount.options["writable"]) == ("65536", "off", "true")
+    given = {"block_size": np.int64(65536), "cache": False, "writable": True, "verify": True}
+    mount, _ = Namespace().add_mount("/typed", str(tmp_path), given)
+    assert [mount.options[k] for k in given] == ["65536", "off", "true", "always"]
     assert gpufeed.read("/typed/a.bin") == b"a"
     with pytest.raises(TypeError, match=r"^option block_size=\[4\]: expected a string \(or a number or bool\), got list$"):
         Namespace().add_mount("/typed2", str(tmp_path), {"block_size": [4]})

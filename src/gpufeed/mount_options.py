@@ -3,6 +3,7 @@ format, writes, cluster copies) and which are handed to the source; and `--opt k
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -71,14 +72,19 @@ def parse_options(pairs: list[str]) -> dict[str, str]:
     return options
 
 
+BOOL_WORDS = {"cache": ("on", "off"), "verify": ("always", "never")}
+"""How options that are not true/false say yes and no."""
+
+
 def option_texts(options: Mapping[str, object]) -> dict[str, str]:
-    """Options as the command line gives them: a Python caller's `4096` is "4096", `True` is
-    "on" for `cache` and "true" for the rest; anything else names the option."""
+    """Options as the command line gives them: a Python caller's `4096` (or numpy integer) is
+    "4096", `True` is "on" for `cache`, "always" for `verify`, "true" for the rest; anything
+    else names the option."""
     texts = {}
     for key, value in options.items():
         if isinstance(value, bool):
-            texts[key] = ("on" if value else "off") if key == "cache" else ("true" if value else "false")
-        elif isinstance(value, (str, int, float)):
+            texts[key] = BOOL_WORDS.get(key, ("true", "false"))[0 if value else 1]
+        elif isinstance(value, (str, numbers.Real)):
             texts[key] = str(value)
         else:
             raise TypeError(f"option {key}={value!r}: expected a string (or a number or bool), got {type(value).__name__}")
