@@ -40,7 +40,9 @@ class ManifestStats:
     shadowed: int = 0
     """Keys that are also a directory (`a` beside `a/b`, which S3 allows): the directory is
     listed, as mountpoint-s3 and s3fs do, and the files are counted and named, not hidden
-    without a word."""
+    without a word. Found in store listings, which are sorted; in an unsorted one (a `--list`
+    file) a file listed before its directory with other keys between is missed, since keeping
+    every key seen would cost memory by the object, not by the directory."""
     shadowed_key: str = ""
     """The first of them."""
 
