@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from obstore import exceptions as obx
 
 import gpufeed
 from gpufeed.client.connection import stop_agent
@@ -444,3 +445,21 @@ def test_a_key_that_is_also_a_directory_is_named_not_hidden(bucket: Bucket, capl
     rows = [ObjectInfo(key, 1, 0.0, None, None) for key in ("z/c", "z", "a/b", "a")]  # a listing in no order
     entries = [e for batch in entries_from_listing([rows], stats) for e in batch]
     assert (stats.files, stats.shadowed) == (2, 2) and not [e for e in entries if not e.is_dir and e.name in ("a", "z")]
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "asked", "hint"),
+    [
+        ("gs://b/p", {}, "http://169.254.169.254/computeMetadata/v1/instance/service-accounts/default/token", "GOOGLE_"),
+        ("az://c/p", {"account": "acct"}, "http://169.254.169.254/metadata/identity/oauth2/token?api-version=2019", "AZURE_"),
+    ],
+)
+def test_no_credentials_on_gcs_and_azure_says_what_to_set(url: str, options: dict[str, str], asked: str, hint: str) -> None:
+    """Without credentials the store client asks the cloud's metadata server; its refusal (as
+    obstore reports it: a cloud we cannot run here, so the error is made at that boundary) is
+    'no credentials found' with the variables to set, not 'access denied'."""
+    source = open_source(url, options, Settings.from_env())
+    refused = obx.GenericError(f"Error performing token request: HTTP status client error (403 Forbidden) for url ({asked})")
+    error = source.translate(refused, "k")  # type: ignore[attr-defined]
+    assert isinstance(error, SourceAuthError) and "no credentials found (set " in str(error) and hint in str(error), error
+    assert str(error).startswith(f"{url}/k: ") and str(error).endswith("or --opt anonymous=true for public data)")

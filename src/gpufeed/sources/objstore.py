@@ -62,6 +62,14 @@ _SERVER_ERROR = re.compile(r"status code: 5\d\d|<Code>(SlowDown|InternalError|Se
 _BODY_ERRORS = ("response body", "error decoding", "invalid list response", "connection reset", "unexpected eof")
 _AUTH_CODES = ("403 Forbidden", "401 Unauthorized", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied")
 _MD5_HEX = re.compile(r"[0-9a-fA-F]{32}")
+_METADATA_MARKERS = ("/latest/api/token", "/latest/meta-data", "/computeMetadata/", "/metadata/identity/oauth2/token")
+"""Where a store client asks the cloud's metadata server for credentials when none are given
+(AWS IMDS, GCE metadata, Azure IMDS): its failure means no credentials, not a denial."""
+_CREDENTIALS_HINTS = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or --opt profile=NAME, or ",
+    "gcs": "set GOOGLE_APPLICATION_CREDENTIALS or GOOGLE_SERVICE_ACCOUNT, or ",
+    "azure": "set AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_KEY or AZURE_CLIENT_ID/AZURE_CLIENT_SECRET/AZURE_TENANT_ID, or ",
+}
 _OS_MESSAGE = re.compile(r'(?:message|error): "([^"]+)"')
 
 
@@ -134,11 +142,9 @@ class ObstoreSource:
             return ObjectMissing(f"{where}: not found at the source")
         if isinstance(exc, obx.PreconditionError):
             return ObjectChanged(f"{where}: the object changed at the source since it was listed")
-        if "/latest/api/token" in str(exc) or "/latest/meta-data" in str(exc):
-            return SourceAuthError(
-                f"{where}: no credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-                "or --opt profile=NAME, or --opt anonymous=true for public data)"
-            )
+        if any(marker in str(exc) for marker in _METADATA_MARKERS):  # no credentials given: the cloud's metadata server was asked
+            return SourceAuthError(f"{where}: no credentials found ({_CREDENTIALS_HINTS.get(self.kind, '')}"
+                                   "--opt anonymous=true for public data)")
         if isinstance(exc, (obx.PermissionDeniedError, obx.UnauthenticatedError, PermissionError)):
             return SourceAuthError(f"{where}: access denied ({message})")
         if isinstance(exc, obx.UnknownConfigurationKeyError):
