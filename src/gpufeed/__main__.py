@@ -1,3 +1,3 @@
-from gpufeed.cli.main import run
+from gpufeed.cli.entry import run
 
 run()
