@@ -227,12 +227,26 @@ def agent_fetched() -> int:
         return 0
 
 
-def run_epoch(loader: Iterator[int] | DataLoader, step_s: float) -> Epoch:
+@dataclass(frozen=True)
+class Clock:
+    """An epoch's start: the time, the services' CPU seconds and the agent's fetched bytes then."""
+
+    cpu: dict[str, float]
+    fetched: int
+    started: float
+
+
+def start_clock() -> Clock:
+    return Clock(service_cpu_s(), agent_fetched(), time.perf_counter())
+
+
+def run_epoch(loader: Iterator[int] | DataLoader, step_s: float, clock: Clock | None = None) -> Epoch:
     """One pass: the accelerator's step after each batch; busy = time in steps / wall time,
-    the first batch included (a cold start is part of the epoch a user waits for)."""
-    cpu, fetched = service_cpu_s(), agent_fetched()
+    the first batch included (a cold start is part of the epoch a user waits for). `clock`:
+    started earlier, where set-up that may already read (a mount's warmup) belongs to the epoch."""
+    clock = clock or start_clock()
+    cpu, fetched, started = clock.cpu, clock.fetched, clock.started
     samples = steps = 0
-    started = time.perf_counter()
     for count in loader:
         samples += count
         steps += 1

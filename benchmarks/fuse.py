@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 from common import scratch_home, settle
-from epochs import BUCKET, S3_SERVERS, Epoch, calibrate, collate, cpu_s, make_jpegs, run_epoch
+from epochs import BUCKET, S3_SERVERS, Clock, Epoch, calibrate, collate, cpu_s, make_jpegs, run_epoch, start_clock
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
@@ -185,9 +185,10 @@ def per_open(before: dict[str, int], after: dict[str, int], opens: int) -> str:
     return f"{sum(delta.values()) / opens:.2f} callbacks per open ({parts})"
 
 
-def run_loop(name: str, root: Path, args: argparse.Namespace, step_s: float, daemon: int = 0) -> Loop:
+def run_loop(name: str, root: Path, args: argparse.Namespace, step_s: float, daemon: int = 0, clock: Clock | None = None) -> Loop:
     """Two epochs over `root`, the page cache dropped before the first (unless `daemon`, the pid
-    of the gpufeed mount's daemon, says the caller just mounted it and dropped it before)."""
+    of the gpufeed mount's daemon, says the caller just mounted it and dropped it before).
+    `clock`: epoch 1's, started before the mount, whose daemon's CPU then all counts."""
     if not daemon:
         drop_caches()
     dataset = ImageFiles(root)
@@ -196,8 +197,8 @@ def run_loop(name: str, root: Path, args: argparse.Namespace, step_s: float, dae
         order = RandomSampler(dataset, generator=torch.Generator().manual_seed(epoch))
         loader = DataLoader(dataset, batch_size=args.batch, sampler=order, num_workers=args.workers, collate_fn=collate)
         before = calls_now(root) if daemon and epoch else {}  # epoch 1: the mount is new, its counts near 0
-        cpu = cpu_s(daemon) if daemon else 0.0
-        loop.epochs.append(run_epoch(loader, step_s))
+        cpu = cpu_s(daemon) if daemon and not (clock and epoch == 0) else 0.0
+        loop.epochs.append(run_epoch(loader, step_s, clock if epoch == 0 else None))
         if daemon:
             loop.daemon_cpu_s.append(cpu_s(daemon) - cpu)
             loop.callbacks.append(per_open(before, calls_now(root), len(dataset)))
@@ -209,10 +210,12 @@ def run_feed_loop(name: str, point: Path, nspath: str, args: argparse.Namespace,
     """`run_loop` through a gpufeed mount made as epoch 1 starts (the page cache dropped first),
     as a user mounts and then runs the script: its background warmup runs beside the job from
     the job's first moment. Mounted before the drop and the wait for the daemon's state file,
-    the warmup had fetched part of the set before epoch 1's clock started."""
+    the warmup had fetched part of the set before epoch 1's clock started; so the clock starts
+    before the mount, and the mount's time (and what its warmup fetched meanwhile) is epoch 1's."""
     drop_caches()
+    clock = start_clock()
     with gpufeed_mount(point, nspath) as daemon:
-        return run_loop(name, point, args, step_s, daemon)
+        return run_loop(name, point, args, step_s, daemon, clock)
 
 
 def cat_gb_s(path: Path) -> float:
