@@ -126,6 +126,22 @@ class DirectHttp(Dataset):
         return decode(obstore.get(self._store, self.names[i]).bytes().to_bytes())
 
 
+class DirectHttpBatched(DirectHttp):
+    """The batch's GETs in flight together, straight from the store: the batch concurrency
+    FeedDataset has, without a cache or prefetch; what a dataset written for object storage
+    does, so gpufeed's cold epoch is also shown against it, not only against one GET a worker."""
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        if self._store is None or self._pid != os.getpid():
+            self._store, self._pid = HTTPStore(self.url, client_options={"allow_http": True}), os.getpid()
+
+        async def fetch() -> list[bytes]:
+            results = await asyncio.gather(*(obstore.get_async(self._store, self.names[i]) for i in indices))
+            return [(await result.bytes_async()).to_bytes() for result in results]
+
+        return [decode(data) for data in asyncio.run(fetch())]
+
+
 class SeededShuffle(Sampler[int]):
     """The order `RandomSampler(generator=torch.Generator().manual_seed(epoch))` gives, the
     epoch set between epochs, so one DataLoader serves every epoch of a loop."""
@@ -442,6 +458,7 @@ def main() -> None:
                 url = f"http://127.0.0.1:{shaped}/{root.name}"
 
                 run_loop("direct http", 1, seeded_loader(DirectHttp(url, names), args), step_s, report)
+                run_loop("direct http, batch at once", 1, seeded_loader(DirectHttpBatched(url, names), args), step_s, report)
                 Namespace().add_mount("/http", url, immutable=args.immutable)
                 http = FeedDataset("/http", transform=decode)
                 writes["gpufeed http"] = plain_write_ms(paths, work / "home" / "plain-http")
