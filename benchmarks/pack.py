@@ -2,6 +2,7 @@
 
     python benchmarks/pack.py [--files 3000] [--size 113000] [--small-files 100000] [--small-size 10000]
                               [--workers 2] [--batch 32] [--epochs 2] [--latency-ms 20] [--shard-mib 64]
+                              [--persistent] [--store moto|s3rver]
 
 Part 1, packing time, local disk to local disk, for each data set (the JPEG set and the small
 files), every packer reading the same files (in the page cache for all of them) and writing
@@ -20,9 +21,14 @@ epochs.py loop (PIL decode in --workers DataLoader workers, an accelerator step 
 keep it --busy on local disk): local disk; gpufeed over the raw files; gpufeed over the pack
 (uploaded next to them) with an exact shuffle, and over a second copy of it with the
 block-aware shuffle (window 4); Mosaic StreamingDataset over its own MDS copy (its default
-shuffle, py1e, block-aware too). Each gpufeed and Mosaic
-mount is read for the first time in its epoch 1 (cold: its blocks or shards were never fetched;
-packing read the local copy, whose blocks are another source's). Printed per epoch: samples/s,
+shuffle, py1e, block-aware too); LitData StreamingDataset over its own copy, in its
+StreamingDataLoader (its default shuffle: chunks shuffled, then samples within a chunk's
+windows; its chunks downloaded with boto3, its own fallback in a process that has started
+obstore, as gpufeed's client has here: obstore's runtime does not survive the workers' fork).
+Each gpufeed, Mosaic and LitData copy is read for the first time in its epoch 1 (cold: its
+blocks or shards were never fetched, Mosaic's and LitData's caches are new directories;
+packing read the local copy, whose blocks are another source's). Every loop has one DataLoader
+for all its epochs, its workers persistent with --persistent. Printed per epoch: samples/s,
 accelerator busy, ratio to local disk, and the GET requests the store server logged.
 
 Needs LitData and Mosaic Streaming beside the pinned CPU torch 2.13, installed without their
@@ -51,7 +57,6 @@ import statistics
 import sys
 import time
 import types
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +66,7 @@ from epochs import (
     BUCKET,
     S3_SERVERS,
     Epoch,
+    Loader,
     LocalFiles,
     calibrate,
     collate,
@@ -68,9 +74,10 @@ from epochs import (
     feed_loader,
     make_jpegs,
     run_epoch,
+    seeded_loader,
     upload,
 )
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader
 
 import gpufeed
 from gpufeed.bench.shaper import shaping
@@ -208,7 +215,20 @@ class Gets:
         return new
 
 
-def mosaic_loader(remote: str, local: Path, args: argparse.Namespace) -> Callable[[int], DataLoader]:
+class SelfOrdered(Loader):
+    """A loop's one DataLoader over a dataset that counts its epochs itself, in its workers
+    (Mosaic's in shared memory, LitData's in its loader and, persistent, in each worker):
+    nothing to set between epochs; closed like the others, so persistent workers stop."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader: DataLoader | None = loader
+
+    def __call__(self, epoch: int) -> DataLoader:
+        assert self.loader is not None, "closed"
+        return self.loader
+
+
+def mosaic_loader(remote: str, local: Path, args: argparse.Namespace) -> Loader:
     streaming = import_mosaic()
 
     class Decoded(streaming.StreamingDataset):  # type: ignore[misc,name-defined]
@@ -222,49 +242,70 @@ def mosaic_loader(remote: str, local: Path, args: argparse.Namespace) -> Callabl
     # its samples in 2 runs of 3). Mosaic's own clean_up drops the client, so each worker makes its own.
     for stream in dataset.streams:
         stream._downloader.clean_up()
-    loader = DataLoader(dataset, batch_size=args.batch, num_workers=args.workers, collate_fn=collate)
-    return lambda epoch: loader
+    return SelfOrdered(DataLoader(dataset, batch_size=args.batch, num_workers=args.workers, collate_fn=collate,
+                                  persistent_workers=args.persistent))
+
+
+def litdata_loader(remote: str, endpoint: str, cache: Path, args: argparse.Namespace) -> Loader:
+    """LitData's StreamingDataset in its own StreamingDataLoader (a torch DataLoader that sets the
+    dataset's batch size, worker count and epoch, as LitData documents). Its samples are the
+    files' bytes (time_litdata's fn). Each worker has its own S3 client, unlike Mosaic's: LitData
+    makes its boto3 client anew in a process that did not make it."""
+    from litdata import StreamingDataLoader, StreamingDataset
+    from litdata.streaming import downloader
+
+    # LitData downloads chunks with obstore where it can, but obstore's runtime does not survive a
+    # fork, and gpufeed's client has started it in this process: forked workers would hang on
+    # their first chunk. LitData's own guard against a parent that started it (set here as it sets
+    # it itself) has them download with boto3, as it does then: measured here, about the samples/s
+    # of obstore in a process that never started it (2 workers, 1,000 JPEGs, 20 ms away).
+    downloader._OBSTORE_INIT_PID = os.getpid()
+    dataset = StreamingDataset(remote, cache_dir=str(cache), shuffle=True, seed=0, transform=decode,
+                               storage_options={"endpoint_url": endpoint})
+    return SelfOrdered(StreamingDataLoader(dataset, batch_size=args.batch, num_workers=args.workers, collate_fn=collate,
+                                           persistent_workers=args.persistent))
 
 
 def training(work: Path, root: Path, args: argparse.Namespace) -> None:
     paths = sorted(root.iterdir())
-
-    def local_loader(epoch: int) -> DataLoader:
-        order = RandomSampler(paths, generator=torch.Generator().manual_seed(epoch))
-        return DataLoader(LocalFiles(paths), batch_size=args.batch, sampler=order, num_workers=args.workers, collate_fn=collate)
-
-    run_epoch(local_loader(0), 0.0)
-    data_only = max((run_epoch(local_loader(0), 0.0) for _ in range(2)), key=lambda e: e.samples_s)
-    step_s = calibrate(lambda step: run_epoch(local_loader(0), step), args.busy * args.batch / data_only.samples_s, args.busy)
+    calibration = seeded_loader(LocalFiles(paths), args)
+    run_epoch(calibration(0), 0.0)
+    data_only = max((run_epoch(calibration(0), 0.0) for _ in range(2)), key=lambda e: e.samples_s)
+    step_s = calibrate(lambda step: run_epoch(calibration(0), step), args.busy * args.batch / data_only.samples_s, args.busy)
+    calibration.close()
     print(f"\ntraining from S3 ({args.store}) {args.latency_ms:g} ms away: {len(paths):,} JPEGs, batch {args.batch}, "
-          f"{args.workers} workers, "
+          f"{args.workers} workers{' (persistent, in every loop)' if args.persistent else ''}, "
           f"accelerator step {step_s * 1000:.0f} ms (local disk alone feeds {data_only.samples_s:,.0f} samples/s)")
     print(f"{'loop':<34} {'epoch':>5} {'samples/s':>10} {'busy':>6} {'vs local':>9} {'GETs':>7} {'agent CPU s':>12} "
           f"{'store+shaper CPU s':>19}")
     rows: list[tuple[str, int, Epoch, int | None]] = []
     failed: list[str] = []
 
-    def loop(name: str, make: Callable[[int], Any], gets: Gets | None) -> None:
+    def loop(name: str, loader: Loader, gets: Gets | None) -> None:
         settle()
-        for epoch in range(args.epochs):
-            if gets is not None:
-                gets.count()
-            try:
-                result = run_epoch(make(epoch), step_s)
-            except Exception as exc:  # a peer's loop that breaks loses its own rows, not the table
-                failed.append(f"{name}, epoch {epoch + 1}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}")
-                print(f"  {failed[-1]}", file=sys.stderr, flush=True)
-                return
-            rows.append((name, epoch + 1, result, gets.count() if gets is not None else None))
-            print(f"  {name}: epoch {epoch + 1} {result.samples_s:,.0f} samples/s", file=sys.stderr, flush=True)
+        try:
+            for epoch in range(args.epochs):
+                if gets is not None:
+                    gets.count()
+                try:
+                    result = run_epoch(loader(epoch), step_s)
+                except Exception as exc:  # a peer's loop that breaks loses its own rows, not the table
+                    failed.append(f"{name}, epoch {epoch + 1}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}")
+                    print(f"  {failed[-1]}", file=sys.stderr, flush=True)
+                    return
+                rows.append((name, epoch + 1, result, gets.count() if gets is not None else None))
+                print(f"  {name}: epoch {epoch + 1} {result.samples_s:,.0f} samples/s", file=sys.stderr, flush=True)
+        finally:
+            loader.close()  # persistent workers stop here, not in a later loop's epochs
 
-    loop("local disk", local_loader, None)
+    loop("local disk", seeded_loader(LocalFiles(paths), args), None)
     store, _ = S3_SERVERS[args.store]
     with store(work, root) as endpoint:
         gets = Gets(work / f"{args.store}.log", args.store)
         upload(endpoint, work / "jpegs-gpufeed", "packed")
         upload(endpoint, work / "jpegs-gpufeed", "packed-again")
         upload(endpoint, work / "jpegs-mds", "mds")
+        upload(endpoint, work / "jpegs-litdata", "litdata")
         port = int(endpoint.rsplit(":", 1)[1])
         with shaping(("127.0.0.1", port), args.latency_ms, None, work / "shaper.log") as shaped:
             options = {"endpoint": f"http://127.0.0.1:{shaped}"}
@@ -277,7 +318,9 @@ def training(work: Path, root: Path, args: argparse.Namespace) -> None:
             loop("gpufeed s3, packed, block shuffle", block_loader, gets)
             os.environ["S3_ENDPOINT_URL"] = options["endpoint"]
             loop("Mosaic StreamingDataset, MDS copy", mosaic_loader(f"s3://{BUCKET}/mds", work / "mosaic-cache", args), gets)
-    loop("local disk, again", local_loader, None)
+            litdata = litdata_loader(f"s3://{BUCKET}/litdata", options["endpoint"], work / "litdata-cache", args)
+            loop("LitData StreamingDataset, its copy", litdata, gets)
+    loop("local disk, again", seeded_loader(LocalFiles(paths), args), None)
     local = statistics.mean(e.samples_s for name, _, e, _ in rows if name.startswith("local disk"))
     for name, epoch, result, count in rows:
         print(f"{name:<34} {epoch:>5} {result.samples_s:>10,.0f} {result.busy:>6.1%} {result.samples_s / local:>8.2f}x "
@@ -287,7 +330,7 @@ def training(work: Path, root: Path, args: argparse.Namespace) -> None:
         print(f"failed: {line}")
     print("vs local: to the mean of the local-disk loops before and after the others; CPU: seconds the node agent, and "
           "the store server and latency shaper this run hosts beside the loop (a real node hosts neither), spent in the "
-          "epoch")
+          "epoch; LitData downloads with boto3, its fallback where its process started obstore (gpufeed's client did)")
 
 
 def main() -> None:
@@ -306,6 +349,7 @@ def main() -> None:
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--store", choices=("moto", "s3rver"), default="moto", help="the S3 server of the training part")
     args = parser.parse_args()
+    args.persistent = args.persistent and args.workers > 0  # a DataLoader refuses persistent workers without workers
     os.environ.update(S3_SERVERS[args.store][1])
     torch.set_num_threads(1)
     with scratch_home("gpufeed-pack-") as work:
