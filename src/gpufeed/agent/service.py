@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -25,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import uvloop
 
 from gpufeed import errors
-from gpufeed.agent import exporter
 from gpufeed.agent.fetcher import Fetcher
 from gpufeed.agent.manager import AgentConfig, CacheManager
 from gpufeed.agent.metrics import OTHER, Metrics
@@ -65,6 +65,8 @@ from gpufeed.rpc.messages import (
 from gpufeed.rpc.messages import Metrics as MetricsRequest
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from gpufeed.agent.cluster_node import ClusterNode
 
 log = logging.getLogger("gpufeed.agent")
@@ -131,7 +133,6 @@ class Agent:
         self.fetcher.chain.insert(0, staged)
         self.fetcher.ranges.append(staged)
         self.coverage = MountCoverage(settings, config.dirs)
-        self.registry = exporter.registry(self.metrics, self.gauges, lambda: self.coverage.latest)
         self._handlers: dict[type, Callable[[Any, Connection], Awaitable[Reply | None]]] = {
             Hello: self._hello,
             Stats: self._stats,
@@ -167,6 +168,15 @@ class Agent:
             latency_ms=self.metrics.latency_s * 1000,
             **self.metrics.counters(),
         )
+
+    @functools.cached_property
+    def registry(self) -> CollectorRegistry:
+        """Made on the first scrape or `--metrics-addr`: prometheus-client takes about 0.1 s of
+        CPU to import, which every agent start would pay (an agent starts with a job's first
+        read). Its counts live in `Metrics` from the start, the process's CPU in /proc."""
+        from gpufeed.agent import exporter
+
+        return exporter.registry(self.metrics, self.gauges, lambda: self.coverage.latest)
 
     def gauges(self) -> list[tuple[str, str, float]]:
         """What the agent holds now, for the exporter."""
@@ -279,6 +289,8 @@ class Agent:
         return Done()
 
     async def _metrics(self, request: MetricsRequest, conn: Connection) -> Reply:
+        from gpufeed.agent import exporter
+
         return MetricsText(exporter.text(self.registry))
 
     async def _usage(self, request: Usage, conn: Connection) -> Reply:
@@ -426,6 +438,8 @@ class Agent:
     async def serve(self) -> None:
         stop_http = None
         if self.metrics_addr:
+            from gpufeed.agent import exporter
+
             try:
                 stop_http = await exporter.serve(self.registry, *parse_addr(self.metrics_addr), cluster=self.cluster)
             except OSError as exc:
