@@ -17,13 +17,15 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing, PackError, SourceError, SourceUnreachable
 from gpufeed.pack import in_place
-from gpufeed.pack import index as idx
 from gpufeed.pack.layout import DIR, FORMATS, INDEX_KEY, shard_row
-from gpufeed.pack.members import MemberTable
 from gpufeed.sources.base import ObjectInfo, Source
+
+if TYPE_CHECKING:
+    from gpufeed.pack.members import MemberTable
 
 HEAD_CONCURRENCY = 32
 """HEADs in flight when a pack's objects are looked up one by one (a listing that hides them)."""
@@ -63,6 +65,9 @@ def pack_rows(source: Source) -> tuple[list[ObjectInfo], MemberTable]:
     that does not show the pack's directory (nginx's index hides dot directories) is made up by
     a HEAD of the index and of each shard it names, so a pack served from a web server's
     directory mounts without a listing file."""
+    from gpufeed.pack import index as idx  # numpy: only a pack's mount loads it
+    from gpufeed.pack.members import MemberTable
+
     objects = {info.key: info for batch in source.list() for info in batch if info.key.startswith(DIR + "/")}
     where = f"{source.url}/{INDEX_KEY}"
     found = objects.get(INDEX_KEY) or (_heads(source, [INDEX_KEY]).get(INDEX_KEY) if not objects else None)
@@ -99,6 +104,9 @@ def member_table(source: Source, row: ObjectInfo, tables: Path) -> MemberTable:
     under `tables` by whoever mounted it on this node, else built from the index (that version,
     checked against the recorded sha256) and saved for the node's other processes. A home that
     cannot be written keeps it in this process only."""
+    from gpufeed.pack import index as idx  # numpy: only a pack's mount loads it
+    from gpufeed.pack.members import MemberTable
+
     assert row.content_hash is not None
     name = row.content_hash.removeprefix("sha256:")
     table = MemberTable.load(tables / name)
