@@ -110,6 +110,13 @@ class WriteError(GpufeedError):
     code = "write"
 
 
+class NotCached(GpufeedError):
+    """A warmup whose blocks the node cache did not take (no agent, a full cache): reads of
+    them go to the store."""
+
+    code = "not_cached"
+
+
 class PoolError(GpufeedError):
     """The GPU pool cannot serve: no Ray cluster, no Ray installed, a lease lost or reclaimed."""
 

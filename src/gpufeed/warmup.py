@@ -38,6 +38,8 @@ class Progress:
     fetched_bytes: int = 0
     """Bytes read from stores for this warmup: whole blocks, so a pack's member costs its
     shard's block, and a block another member fetched first costs nothing."""
+    uncached_bytes: int = 0
+    """Bytes of the files the node cache did not take (no agent, a full cache)."""
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
 
@@ -122,8 +124,9 @@ def warm(
                 progress.done_bytes += size
                 tick()
 
-        client.warm(client.handle(item.path), fetched, at_owners=at_owners)
+        left = client.warm(client.handle(item.path), fetched, at_owners=at_owners)
         with lock:
+            progress.uncached_bytes += left
             progress.done_files += 1
             progress.done_bytes += item.size - active.pop(number)[1]
             progress.fetched_bytes = client.source_bytes - read_before

@@ -51,6 +51,29 @@ def test_a_warmup_goes_on_when_its_progress_file_cannot_be_written(dataset: Path
     assert "100.0% cached" in ok("warmup", "--dry-run", "/data/train")
 
 
+def test_a_warmup_the_cache_cannot_take_says_so_and_fails(tmp_path: Path) -> None:
+    """A script that warms before training must not be told the cache is warm when the agent
+    could not start or its cache cannot hold the files."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "big.bin").write_bytes(os.urandom(3_000_000))
+    ok("mount", "add", "/d", f"file://{data}")
+    no_agent = subprocess.run([sys.executable, "-m", "gpufeed", "warmup", "/d"], capture_output=True, text=True,
+                              env={**os.environ, "GPUFEED_CACHE_DIRS": "/proc/nope"}, timeout=120)
+    assert no_agent.returncode == 1, no_agent
+    assert "2.9 MiB not cached" in no_agent.stdout and "0 B were cached already" in no_agent.stdout
+    *warning, error = no_agent.stderr.strip().splitlines()
+    assert "reading without the cache" in warning[0]
+    assert error == ("gpufeed: error: warmup: 2.9 MiB of 2.9 MiB could not be cached on this node (see the warning "
+                     "above); reads of them go to the store")
+    ok("agent", "start", "--cache-size", "2MiB")
+    too_small = subprocess.run([sys.executable, "-m", "gpufeed", "warmup", "--json", "/d"], capture_output=True,
+                               text=True, timeout=120)
+    assert too_small.returncode == 1, too_small
+    assert json.loads(too_small.stdout)["uncached_bytes"] == 3_000_000
+    assert "cannot hold more blocks" in too_small.stderr and "could not be cached" in too_small.stderr
+
+
 def test_a_killed_warmup_resumes_where_it_stopped(nginx: HttpServer, tmp_path: Path) -> None:
     site = nginx.root / f"warm-{tmp_path.name}"
     site.mkdir()

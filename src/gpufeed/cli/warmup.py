@@ -20,7 +20,7 @@ import typer
 from gpufeed import warmup as warming
 from gpufeed.cli.console import counted, err, human_bytes, out, print_json
 from gpufeed.cli.progress import Meter
-from gpufeed.errors import InvalidArgument
+from gpufeed.errors import InvalidArgument, NotCached
 
 
 def _paths(paths: list[str], listing: Path | None) -> list[str]:
@@ -89,17 +89,24 @@ def warmup(
     except warming.Stopped as stop:
         _stopped(stop, as_json)
     elapsed = time.monotonic() - meter.started
-    fetched = done.fetched_bytes
-    cached = max(0, done.done_bytes - fetched)  # a pack's member costs its shard's whole block: maybe more than it
+    fetched, uncached = done.fetched_bytes, done.uncached_bytes
+    cached = max(0, done.done_bytes - fetched - uncached)  # a pack's member costs its shard's whole block: maybe more than it
     if as_json:
-        summary = {"files": done.done_files, "bytes": done.done_bytes, "fetched_bytes": fetched, "seconds": round(elapsed, 3)}
+        summary = {"files": done.done_files, "bytes": done.done_bytes, "fetched_bytes": fetched,
+                   "uncached_bytes": uncached, "seconds": round(elapsed, 3)}
         print_json(summary)
-        return
-    out.print(
-        f"warmed {counted(done.done_files, 'file')}, {human_bytes(done.done_bytes)} in {elapsed:.1f} s: "
-        f"fetched {human_bytes(fetched)}, {human_bytes(cached)} were cached already",
-        highlight=False,
-    )
+    else:
+        out.print(
+            f"warmed {counted(done.done_files, 'file')}, {human_bytes(done.done_bytes)} in {elapsed:.1f} s: "
+            f"fetched {human_bytes(fetched)}, {human_bytes(cached)} were cached already"
+            + (f", {human_bytes(uncached)} not cached" if uncached else ""),
+            highlight=False,
+        )
+    if uncached:  # a script that warms before training must not take this for a warm cache
+        raise NotCached(
+            f"warmup: {human_bytes(uncached)} of {human_bytes(done.done_bytes)} could not be cached on this node "
+            "(see the warning above); reads of them go to the store"
+        )
 
 
 def _stopped(stop: warming.Stopped, as_json: bool) -> NoReturn:

@@ -30,7 +30,7 @@ from gpufeed.client.read_around import ReadAround
 from gpufeed.client.writer import FeedWriter
 from gpufeed.config import Settings
 from gpufeed.errors import GpufeedError, InvalidArgument, ObjectChanged, ObjectMissing, WriteError
-from gpufeed.mount_options import source_options
+from gpufeed.mount_options import CachePolicy, source_options
 from gpufeed.namespace import Namespace
 from gpufeed.paths import FileStat
 from gpufeed.rpc.messages import (
@@ -353,23 +353,28 @@ class Client:
     def cancel_prefetch(self, session: str) -> None:
         self.fetches.cancel(session)
 
-    def warm(self, handle: ObjectHandle, fetched: Callable[[int], None] | None = None, *, at_owners: bool = False) -> None:
-        """Make every block of `handle` present in the node cache without reading it. `fetched`
-        hears the bytes of every WARM_STEP blocks published, so a big object shows progress and
-        a stopped warmup knows what it cached. `at_owners` (a cluster warmup): each block is
-        cached by its owner in the cache cluster instead, all owners at once. What the store
-        sent for it is in `source_bytes` (whole blocks, which a pack's members share)."""
+    def warm(self, handle: ObjectHandle, fetched: Callable[[int], None] | None = None, *, at_owners: bool = False) -> int:
+        """Make every block of `handle` present in the node cache without reading it; returns
+        the bytes of it the cache did not take (no agent, a full cache), which reads will fetch
+        from the store. `fetched` hears the bytes of every WARM_STEP blocks done, so a big
+        object shows progress and a stopped warmup knows what it cached. `at_owners` (a cluster
+        warmup): each block is cached by its owner in the cache cluster instead, all owners at
+        once. What the store sent for it is in `source_bytes` (whole blocks, which a pack's
+        members share)."""
         ref = handle.blocks
-        if ref is None:
-            return
+        if ref is None:  # no agent (its warning said so), or a mount not cached (cache=off): nothing to warm
+            return handle.size if handle.size and CachePolicy.of(handle.mount, self.settings).enabled else 0
         lo, hi = handle.extent(0, handle.size)
         span = ref.blocks.span(lo, hi)
         missing = list(span) if at_owners else [i for i in span if not os.path.exists(ref.path(i))]
+        left = 0
         for first in range(0, len(missing), WARM_STEP):
             part = missing[first : first + WARM_STEP]
-            self.fetches.once([(handle, part, [])], at_owners=at_owners)
+            uncached, _ = self.fetches.once([(handle, part, [])], at_owners=at_owners)
+            left += sum(overlap(ref.block_size, i, lo, hi) for i in part if (ref.oid, i) in uncached)
             if fetched is not None:
                 fetched(sum(overlap(ref.block_size, i, lo, hi) for i in part))
+        return left
 
     def cached_bytes(self, path: str) -> Iterator[tuple[FileStat, int]]:
         """(file, bytes of it present in the cache) for every file under `path`; reads no data."""
