@@ -222,6 +222,28 @@ def parse_addr(text: str, what: str = "--metrics-addr") -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def check_redis_url(url: str, what: str) -> None:
+    """A Redis URL's scheme, port and database number, checked before redis-py reads it: it
+    takes `redis://host/abc` (a typo in the number) as database 0, which may be another
+    cluster's or another namespace's."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from gpufeed.errors import InvalidArgument
+
+    expected = "expected redis://HOST:PORT[/DB] (or rediss://, unix:///PATH?db=DB)"
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise InvalidArgument(f"{what} {url!r}: {expected}")
+    try:
+        parts.port  # noqa: B018 - the property raises on a port that is no number
+    except ValueError:
+        raise InvalidArgument(f"{what} {url!r}: the port is not a number; {expected}") from None
+    db = parts.path.strip("/") if parts.scheme != "unix" else ""
+    for given in [db] if db else parse_qs(parts.query).get("db", []):
+        if not given.isdigit():
+            raise InvalidArgument(f"{what} {url!r}: database {given!r} is not a number; {expected}")
+
+
 def cluster_node_id(settings: Settings) -> str:
     """The id this node's agent joins the cache cluster with: `node_id`, else HOST@ADVERTISED-ADDRESS
     ("" without a cluster or a peer address). The GPU pool names the node's agent by it too."""

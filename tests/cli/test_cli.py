@@ -91,6 +91,8 @@ def test_redis_engine_from_environment(dataset: Path, redis_url: str) -> None:
 
 
 def test_metadata_server_down_is_one_line() -> None:
+    typo = fails(2, "mount", "ls", env={"GPUFEED_META": f"redis://127.0.0.1:{free_port()}/l"})
+    assert "GPUFEED_META" in typo and "database 'l' is not a number" in typo, "not database 0, another namespace's"
     line = fails(1, "mount", "ls", env={"GPUFEED_META": f"redis://127.0.0.1:{free_port()}/0"})
     assert "metadata server redis://127.0.0.1" in line
 

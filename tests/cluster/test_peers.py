@@ -304,7 +304,8 @@ def test_cluster_status_lists_the_live_nodes_and_bad_settings_are_one_line(
         (["cluster", "status", "--cluster", "http://nowhere"], "expected redis://HOST:PORT"),
         (["cluster", "status", "--cluster", f"redis://127.0.0.1:{free_port()}/0"], "Connect"),
         (["agent", "--cache-dir", str(tmp_path / "x"), "--cluster", url], "needs --peer-addr HOST:PORT"),
-        (["agent", "--cache-dir", str(tmp_path / "x"), "--cluster", "http://x"], "'http://x' (GPUFEED_CLUSTER): expected"),
+        (["agent", "--cache-dir", str(tmp_path / "x"), "--cluster", "http://x"], "'http://x': expected"),
+        (["cluster", "status", "--cluster", f"{url.rsplit('/', 1)[0]}/abc"], "database 'abc' is not a number"),
     ]:
         failed = subprocess.run([sys.executable, "-m", "gpufeed", *argv], capture_output=True, text=True, timeout=60)
         assert failed.returncode != 0 and len(failed.stderr.strip().splitlines()) == 1, failed.stderr

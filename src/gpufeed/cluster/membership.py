@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gpufeed.cluster.ownership import Node
-from gpufeed.errors import InvalidArgument
+from gpufeed.config import check_redis_url
 
 log = logging.getLogger("gpufeed.agent")
 
@@ -35,8 +35,7 @@ TTL_S = 4.0
 
 
 def check_url(url: str) -> None:
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise InvalidArgument(f"--cluster {url!r} (GPUFEED_CLUSTER): expected redis://HOST:PORT[/DB] (or rediss://, unix://)")
+    check_redis_url(url, "--cluster (GPUFEED_CLUSTER)")
 
 
 def connect(url: str) -> aioredis.Redis:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpufeed.config import Settings
+from gpufeed.config import Settings, check_redis_url
 from gpufeed.errors import InvalidArgument
 from gpufeed.meta.base import Entry, MetaEngine, Mount
 
@@ -15,6 +15,8 @@ def open_engine(settings: Settings) -> MetaEngine:
         return SqliteEngine(settings.home / "meta.db")
     if url.startswith(("redis://", "rediss://", "unix://")):
         from gpufeed.meta.redis import RedisEngine
+
+        check_redis_url(url, "GPUFEED_META")
 
         return RedisEngine(url)
     if url.startswith("sqlite://"):
