@@ -27,7 +27,7 @@ import gpufeed.torch
 from gpufeed.bench.faults import FaultControl
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
-from gpufeed.errors import InvalidArgument, PathNotFound, ReadOnlyMount
+from gpufeed.errors import InvalidArgument, ObjectChanged, PathNotFound, ReadOnlyMount
 from gpufeed.namespace import Namespace
 from tests.conftest import Bucket
 from tests.writes.checkpoint_saver import state
@@ -118,6 +118,24 @@ def test_a_checkpoint_root_that_cannot_be_written_or_found_is_one_clear_error(ou
         gpufeed.torch.Checkpoints("/nope/run").load(zeros_like(state(1)))  # not a fresh start: a typo
     with pytest.raises(InvalidArgument, match="step=-1"):
         gpufeed.torch.Checkpoints("/out/run").save(state(1), -1)
+
+
+def test_a_load_that_fails_on_a_gpufeed_error_raises_it_not_torchs_wrapper(out: Bucket) -> None:
+    """DCP wraps a rank's failure in CheckpointException, a BaseException a training loop's
+    `except Exception` lets through; a gpufeed error (here: a shard rewritten at the source
+    since the mount listed it, not in the cache) comes out as itself, naming what to do."""
+    checkpoints = gpufeed.torch.Checkpoints("/out/run")
+    checkpoints.save(state(3), 3)
+    shard = next(key for key in keys(out, "run/step-00000003/") if key.endswith(".distcp"))
+    out.put(shard, b"rewritten by another job")
+    gpufeed.client().agent.clear()
+    try:
+        checkpoints.load(zeros_like(state(3)))
+    except Exception as exc:  # what a training loop catches
+        assert isinstance(exc, ObjectChanged), type(exc)
+        assert "changed at the source since mount /out was listed" in str(exc) and shard in str(exc)
+    else:
+        raise AssertionError("a checkpoint whose shard changed loaded")
 
 
 def test_a_save_that_fails_midway_leaves_no_checkpoint_that_loads(out: Bucket) -> None:

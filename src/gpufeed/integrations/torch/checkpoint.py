@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     FileSystemBase,
@@ -56,7 +57,7 @@ from torch.futures import Future as TorchFuture
 
 import gpufeed
 from gpufeed.client import Client
-from gpufeed.errors import InvalidArgument, PathNotFound
+from gpufeed.errors import GpufeedError, InvalidArgument, PathNotFound
 
 METADATA = ".metadata"
 """DCP's commit marker: a checkpoint directory is complete when it holds this file."""
@@ -296,7 +297,8 @@ class Checkpoints:
         return complete[-1] if complete else None
 
     def save(self, state_dict: dict[str, Any], step: int, **writer: Any) -> None:
-        dcp.save(state_dict, storage_writer=GpufeedWriter(self._writable(step), client=self.client, **writer))
+        with _gpufeed_errors():
+            dcp.save(state_dict, storage_writer=GpufeedWriter(self._writable(step), client=self.client, **writer))
         self.prune()
 
     def _writable(self, step: int) -> str:
@@ -318,6 +320,8 @@ class Checkpoints:
             try:
                 metadata = saved.result()
                 self.prune()
+            except CheckpointException as exc:
+                future.set_exception(_gpufeed_failure(exc) or exc)
             except BaseException as exc:
                 future.set_exception(exc)
             else:
@@ -342,7 +346,8 @@ class Checkpoints:
                 # its moments and steps would be dropped without a word. A step with zero grads
                 # and lr 0 creates them (what torch's get_optimizer_state_dict does first).
                 _init_optim_state(value)
-        dcp.load(state_dict, storage_reader=GpufeedReader(self.path(step), client=self.client, **reader))
+        with _gpufeed_errors():
+            dcp.load(state_dict, storage_reader=GpufeedReader(self.path(step), client=self.client, **reader))
         return step
 
     def prune(self) -> builtins.list[int]:
@@ -400,6 +405,30 @@ def save(obj: object, path: str | os.PathLike[str], *, sync: bool = False) -> No
         stream = io.BufferedWriter(raw, WRITE_BUFFER)
         torch.save(obj, stream)
         stream.flush()
+
+
+@contextlib.contextmanager
+def _gpufeed_errors() -> Iterator[None]:
+    """A failed DCP call raises torch's CheckpointException: a BaseException, which a training
+    loop's `except Exception` does not catch, with every rank's traceback in its text. Where a
+    rank failed on a gpufeed error (bytes changed at the source, a read-only mount, a store
+    down), that error is raised instead: its one line says what to do."""
+    try:
+        yield
+    except CheckpointException as exc:
+        failure = _gpufeed_failure(exc)
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _gpufeed_failure(exc: CheckpointException) -> GpufeedError | None:
+    """This rank's gpufeed error, else the lowest failed rank's, if any rank failed on one."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    for failed in sorted(exc.failures, key=lambda r: (r != rank, r)):
+        if isinstance(error := exc.failures[failed][0], GpufeedError):
+            return error
+    return None
 
 
 def load(path: str | os.PathLike[str], **kwargs: Any) -> Any:
