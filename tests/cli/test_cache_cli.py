@@ -35,6 +35,8 @@ def test_agent_lifecycle_and_cache_commands(dataset: Path, gpufeed_home: Path) -
     assert "blocks           0" in cleared and "evictions        0" in cleared, "a clear asked for is no eviction"
     assert "stopped agent" in ok("agent", "stop")
     assert fails_status() == 1
+    assert "no agent running for" in fails(1, "cache", "stats")
+    assert fails_status() == 1, "a look at the cache starts no agent"
 
 
 def fails_status() -> int:

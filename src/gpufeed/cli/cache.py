@@ -15,11 +15,11 @@ app = command_group(help="Inspect and manage the node cache.", no_args_is_help=T
 
 @app.command()
 def stats() -> None:
-    """Size, blocks, hits, misses, bytes fetched and repairs (starts the agent if needed)."""
-    from gpufeed.client import Client
+    """Size, blocks, hits, misses, bytes fetched and repairs of the running agent; exit 1 when
+    none runs (a look at the cache leaves no agent behind, as `agent status` and `metrics`)."""
+    from gpufeed.cli.metrics import running_agent
 
-    client = Client()
-    info = client.agent.stats()
+    info = running_agent(Settings.from_env()).stats(start=False)
     table = Table(box=None, show_header=False)
     reads = info.hits + info.misses
     rows = [
