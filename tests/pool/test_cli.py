@@ -23,20 +23,24 @@ def gpufeed(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gpufeed", *args], capture_output=True, text=True, timeout=120)
 
 
-def test_kill_9_of_a_job_frees_its_lease_and_stops_its_command(cluster: Cluster) -> None:
+def test_kill_9_of_a_job_frees_its_lease_and_stops_its_command_and_its_children(cluster: Cluster) -> None:
+    """The processes the command started end with it: a DataLoader worker or a rank left
+    running would keep the GPU after the lease is freed. (Ray kills the runner's own child, the
+    command, with the runner; its children get SIGTERM, here ignored, then SIGKILL.)"""
+    job = "trap '' TERM; sleep 61.25 & wait"
     client = subprocess.Popen(
-        [sys.executable, "-m", "gpufeed", "gpu", "run", "--address", cluster.address, "--pool", "kill", "--", "sleep", "61.25"],
+        [sys.executable, "-m", "gpufeed", "gpu", "run", "--address", cluster.address, "--pool", "kill", "--", "sh", "-c", job],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
         eventually(lambda: [ls for ls in status("kill")["leases"] if ls["started"]], "the job to start")
-        assert eventually(lambda: running("61.25"), "the command to run")
+        assert eventually(lambda: running("sleep\x0061.25"), "the command's child to run")
     finally:
         client.send_signal(signal.SIGKILL)
         client.wait()
     eventually(lambda: status("kill")["leases"] == [], "the killed job's lease to be freed", timeout=30)
-    eventually(lambda: not running("61.25"), "the command to stop")
+    eventually(lambda: not running("61.25"), "the command and its child to stop", timeout=30)
 
 
 def test_run_waits_in_the_queue_with_a_status_line_then_runs(cluster: Cluster) -> None:

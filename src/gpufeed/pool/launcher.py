@@ -9,8 +9,10 @@
   `PYTHONSTARTUP` (interactive sessions only) and over an env the job must read (opt-in).
 - MPS limits: `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, only when
   an MPS control daemon runs on the node (the driver ignores them otherwise).
-- The command runs in its own session and dies with the runner (`PR_SET_PDEATHSIG`), so a killed
-  runner does not leave it holding the GPU; `stop` ends its whole process group.
+- The command runs in its own session; `stop` ends its whole process group, whatever is left
+  of it when the command exits too. It gets SIGTERM when the runner dies (`PR_SET_PDEATHSIG`),
+  and a reaper (`pool.reaper`) then ends its group as `stop` would, so a killed runner leaves
+  none of the command's processes holding the GPU.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from gpufeed.pool import reaper
 from gpufeed.pool.inventory import MIB
+from gpufeed.pool.reaper import end_group
 
 SHIM_DIR = Path(__file__).with_name("shim")
 _PR_SET_PDEATHSIG = 1
@@ -67,9 +72,9 @@ def cap_this_process() -> None:
         shim.install(shim.leased_fraction())
 
 
-def _die_with_parent() -> None:
+def _terminated_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def spawn(argv: Sequence[str], env: dict[str, str], cwd: str | None = None) -> subprocess.Popen[bytes]:
@@ -82,19 +87,35 @@ def spawn(argv: Sequence[str], env: dict[str, str], cwd: str | None = None) -> s
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=_terminated_with_parent,
     )
 
 
+def guard(proc: subprocess.Popen[bytes], grace: float) -> int:
+    """Start the reaper that ends the command's process group if this process dies first;
+    returns the pipe to tell it the group is ended (`release`)."""
+    watch, tell = os.pipe()  # not inherited by anything else this process starts: its death closes `tell`
+    try:
+        argv = [sys.executable, "-I", reaper.__file__, str(proc.pid), str(grace), str(watch)]  # no package to import
+        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(watch,),
+                       start_new_session=True, check=True)
+    except BaseException:
+        os.close(tell)
+        raise
+    finally:
+        os.close(watch)
+    return tell
+
+
+def release(tell: int) -> None:
+    """Tell the reaper the command's group is ended: it exits without a signal sent."""
+    try:
+        os.write(tell, b"x")
+    finally:
+        os.close(tell)
+
+
 def stop(proc: subprocess.Popen[bytes], grace: float) -> None:
-    """SIGTERM to the command's process group, SIGKILL after `grace` seconds."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """SIGTERM to the command's process group, SIGKILL to what is left after `grace` seconds."""
+    end_group(proc.pid, grace)
+    proc.poll()

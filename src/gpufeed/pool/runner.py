@@ -53,6 +53,7 @@ class JobRunner:
             self.done.set()
             yield {"exit": 127, "reason": self.reason}
             return
+        reaper = launcher.guard(self.proc, self.grace)
         dog = Watchdog(self.proc.pid, [g[0] for g in gpus], max(g[2] for g in gpus), self.idle_timeout, self._report, self.stop)
         dog.start()
         try:
@@ -62,8 +63,8 @@ class JobRunner:
             code = self.proc.wait()
         finally:
             dog.finished.set()
-            if self.proc.poll() is None:
-                launcher.stop(self.proc, self.grace)
+            launcher.stop(self.proc, self.grace)  # its processes left behind too: the lease ends with them
+            launcher.release(reaper)
             self.done.set()
         yield {"exit": code, "reason": self.reason}
 
