@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import ray
 from ray.cluster_utils import Cluster
 
@@ -91,6 +92,10 @@ def test_bad_input_is_one_clear_line(cluster: Cluster) -> None:
         done = gpufeed("gpu", "run", *args, "--", "true")
         assert (done.returncode, done.stdout) == (code, ""), done.stderr
         assert done.stderr.startswith(f"gpufeed: error: {message}") and done.stderr.count("\n") == 1, done.stderr
+    typo = gpufeed("gpu", "status", "--address", cluster.address, "--pool", "no-such-pool")
+    assert typo.returncode == 1 and typo.stderr.startswith("gpufeed: error: no pool 'no-such-pool' on this Ray cluster"), typo
+    with pytest.raises(ValueError):  # a look at a misspelt pool leaves no scheduler of that name behind
+        ray.get_actor("gpufeed-pool-no-such-pool", namespace="gpufeed")
 
 
 def test_resources_name_the_nodes_agent_for_data_aware_placement() -> None:

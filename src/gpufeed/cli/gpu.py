@@ -78,10 +78,11 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print GPUs, leases, queue and teams as one JSON object."),
 ) -> None:
     """GPUs (free share and memory), leases (idle time), the queue and each team's use."""
-    from gpufeed.pool.client import connect
+    from gpufeed.pool.client import check_pool, connect
     from gpufeed.pool.client import status as pool_status
 
     connect(address)
+    check_pool(pool)
     state = pool_status(pool)
     if as_json:
         print_json(state, indent=2)

@@ -90,6 +90,24 @@ def status(pool: str = "default") -> dict[str, Any]:
     return dict(_ray().get(scheduler(pool).status.remote()))
 
 
+def check_pool(pool: str) -> None:
+    """PoolError unless `pool` exists or is the default one, which any request makes: a look at
+    a misspelt pool (`gpu status --pool`) must not leave a scheduler of that name running for good."""
+    from gpufeed.pool.scheduler import NAMESPACE, actor_name
+
+    ray = _ray()
+    if pool == "default":
+        return
+    try:
+        ray.get_actor(actor_name(pool), namespace=NAMESPACE)
+    except ValueError:
+        prefix = actor_name("")
+        pools = sorted(a["name"].removeprefix(prefix) for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
+        raise PoolError(f"no pool {pool!r} on this Ray cluster (pools: {', '.join(pools) or 'none yet'}); "
+                        "a job's 'gpu run --pool NAME' makes it") from None
+
+
 @dataclass
 class Granted:
     """A booked lease: its description, its placement group, the scheduler that granted it."""
