@@ -314,6 +314,14 @@ def test_cluster_status_lists_the_live_nodes_and_bad_settings_are_one_line(
     no_token = subprocess.run([sys.executable, "-m", "gpufeed", "agent", "--cache-dir", str(tmp_path / "y"), "--cluster", url,
                                "--peer-addr", f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60, env=unset)
     assert no_token.returncode != 0 and "GPUFEED_CLUSTER_TOKEN" in no_token.stderr and "Traceback" not in no_token.stderr
+    loose = tmp_path / "token"
+    loose.write_text("a-token-of-32-characters-or-so-x")
+    loose.chmod(0o644)
+    refused = subprocess.run([sys.executable, "-m", "gpufeed", "agent", "--cache-dir", str(tmp_path / "z"), "--cluster", url,
+                              "--peer-addr", f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60,
+                             env=unset | {"GPUFEED_CLUSTER_TOKEN_FILE": str(loose)})
+    assert refused.returncode != 0 and refused.stderr.count("\n") == 1, refused.stderr
+    assert f"{loose}: other users may read or change it (mode 0644); chmod 600" in refused.stderr
 
 
 def test_a_packs_blocks_go_through_their_owners_checked_against_the_index_sums(

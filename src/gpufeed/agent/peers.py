@@ -97,8 +97,13 @@ def load_token() -> str:
     if path:
         try:
             token = Path(path).read_text().strip()
+            mode = os.stat(path).st_mode & 0o777
         except OSError as exc:
             raise errors.InvalidArgument(f"GPUFEED_CLUSTER_TOKEN_FILE {path}: {exc.strerror or exc}") from None
+        if mode & 0o077:  # as ssh refuses a private key others can read: the token lets anyone read the caches
+            raise errors.InvalidArgument(
+                f"GPUFEED_CLUSTER_TOKEN_FILE {path}: other users may read or change it (mode {mode:04o}); chmod 600 {path}"
+            )
     else:
         token = os.environ.get("GPUFEED_CLUSTER_TOKEN", "").strip()
     if len(token) < 16:
