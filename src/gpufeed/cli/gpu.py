@@ -119,7 +119,7 @@ def _table(state: dict[str, Any]) -> None:
 
 @app.command("resources")
 def resources(
-    fake_gpus: int = typer.Option(0, "--fake-gpus", help="Declare this many fake GPUs instead of asking NVML (0, the default: ask NVML)."),
+    fake_gpus: int = typer.Option(0, "--fake-gpus", help="Declare this many fake GPUs (0, the default: ask NVML)."),
     fake_gpu_mem: str = typer.Option("80GiB", "--fake-gpu-mem", help="Memory of each fake GPU."),
     agent_node: str = typer.Option(
         "", "--agent-node", help="This node's agent's id in the cache cluster [default: as the agent derives it]"
