@@ -7,7 +7,6 @@ from dataclasses import asdict
 
 import typer
 
-from gpufeed import verify as verifying
 from gpufeed.cli.console import counted, err, human_bytes, out, print_json
 from gpufeed.cli.progress import Meter
 
@@ -20,6 +19,7 @@ def verify(
     """Hash every file under NSPATH through the read path (sha256, or the algorithm of a hash
     the manifest has). Records the hash where the manifest has none; where it has one, prints
     each mismatch (path and both hashes) and exits 1."""
+    from gpufeed import verify as verifying  # its stores and thread pool: not for every command's start
     from gpufeed.client import Client
 
     client = Client()
