@@ -44,6 +44,18 @@ def test_kill_9_of_a_job_frees_its_lease_and_stops_its_command_and_its_children(
     eventually(lambda: not running("61.25"), "the command and its child to stop", timeout=30)
 
 
+def test_a_job_ends_with_its_command_not_with_its_background_jobs(cluster: Cluster) -> None:
+    """A background process holds the output pipe after the command exits (`tensorboard & train`):
+    `gpu run` returns with the command's exit code, and the background process ends with the lease."""
+    job = "sleep 62.75 & echo main-exits; exit 3"
+    done = subprocess.run(
+        [sys.executable, "-m", "gpufeed", "gpu", "run", "--address", cluster.address, "--pool", "bg", "--", "sh", "-c", job],
+        capture_output=True, text=True, timeout=45,
+    )
+    assert (done.returncode, done.stdout) == (3, "main-exits\n"), done.stderr
+    eventually(lambda: not running("62.75"), "the background job to end with the lease")
+
+
 def test_run_waits_in_the_queue_with_a_status_line_then_runs(cluster: Cluster) -> None:
     with lease(Request(1.0, nodes=2), pool="wait"):
         client = subprocess.Popen(

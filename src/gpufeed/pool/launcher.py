@@ -19,15 +19,19 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import IO
 
 from gpufeed.pool import reaper
 from gpufeed.pool.inventory import MIB
-from gpufeed.pool.reaper import end_group
+from gpufeed.pool.reaper import KILL_WAIT_S, POLL_S, end_group
 
 SHIM_DIR = Path(__file__).with_name("shim")
 _PR_SET_PDEATHSIG = 1
@@ -108,11 +112,45 @@ def guard(proc: subprocess.Popen[bytes], grace: float) -> int:
 
 
 def release(tell: int) -> None:
-    """Tell the reaper the command's group is ended: it exits without a signal sent."""
+    """Tell the reaper the command's group is ended: it exits without a signal sent. A reaper
+    already gone (killed by an admin, the OOM killer) is no error: there is nothing left to end."""
     try:
         os.write(tell, b"x")
+    except OSError:
+        pass
     finally:
         os.close(tell)
+
+
+def output(proc: subprocess.Popen[bytes], grace: float) -> Iterator[bytes]:
+    """The command's output, line by line, until its pipe closes. A process the command started
+    in the background holds the pipe open after the command exits (`sh -c 'tensorboard & train'`):
+    once the command has exited, what is left of its group is ended, so the lease ends with the
+    command, not with its last background job. A process that left the group (setsid) and still
+    holds the pipe is waited for KILL_WAIT_S, then let be."""
+    assert proc.stdout is not None
+    lines: queue.Queue[bytes | None] = queue.Queue()
+
+    def pump(stdout: IO[bytes]) -> None:
+        for line in iter(stdout.readline, b""):
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, args=(proc.stdout,), name="gpufeed-job-output", daemon=True).start()
+    ended_at = None
+    while True:
+        try:
+            line = lines.get(timeout=POLL_S)
+        except queue.Empty:
+            if ended_at is None and proc.poll() is not None:
+                stop(proc, grace)
+                ended_at = time.monotonic()
+            elif ended_at is not None and time.monotonic() - ended_at > KILL_WAIT_S:
+                return
+            continue
+        if line is None:
+            return
+        yield line
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float) -> None:

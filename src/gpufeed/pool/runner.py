@@ -53,19 +53,23 @@ class JobRunner:
             self.done.set()
             yield {"exit": 127, "reason": self.reason}
             return
-        reaper = launcher.guard(self.proc, self.grace)
-        dog = Watchdog(self.proc.pid, [g[0] for g in gpus], max(g[2] for g in gpus), self.idle_timeout, self._report, self.stop)
-        dog.start()
+        proc, tell, dog = self.proc, None, None
         try:
-            assert self.proc.stdout is not None
-            while line := self.proc.stdout.readline():  # a generator Ray streams: no `yield from`
+            tell = launcher.guard(proc, self.grace)
+            dog = Watchdog(proc.pid, [g[0] for g in gpus], max(g[2] for g in gpus), self.idle_timeout, self._report, self.stop)
+            dog.start()
+            for line in launcher.output(proc, self.grace):  # noqa: UP028 - a generator Ray streams: no `yield from`
                 yield line
-            code = self.proc.wait()
+            code = proc.wait()
         finally:
-            dog.finished.set()
-            launcher.stop(self.proc, self.grace)  # its processes left behind too: the lease ends with them
-            launcher.release(reaper)
-            self.done.set()
+            if dog is not None:
+                dog.finished.set()
+            try:
+                launcher.stop(proc, self.grace)  # its processes left behind too: the lease ends with them
+            finally:
+                if tell is not None:
+                    launcher.release(tell)
+                self.done.set()
         yield {"exit": code, "reason": self.reason}
 
     def _report(self, idle: float, memory_used: int) -> None:
@@ -74,7 +78,7 @@ class JobRunner:
     def stop(self, reason: str) -> None:
         """End the command (SIGTERM, then SIGKILL after the grace period), saying why."""
         self.reason = self.reason or reason
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is not None:  # its main process may have exited, leaving processes of its group
             launcher.stop(self.proc, self.grace)
 
     @ray.method(concurrency_group="watch")
