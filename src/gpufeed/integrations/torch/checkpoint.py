@@ -320,10 +320,8 @@ class Checkpoints:
             try:
                 metadata = saved.result()
                 self.prune()
-            except CheckpointException as exc:
-                future.set_exception(_gpufeed_failure(exc) or exc)
             except BaseException as exc:
-                future.set_exception(exc)
+                future.set_exception(_unwrapped(exc))
             else:
                 future.set_result(metadata)
 
@@ -409,26 +407,26 @@ def save(obj: object, path: str | os.PathLike[str], *, sync: bool = False) -> No
 
 @contextlib.contextmanager
 def _gpufeed_errors() -> Iterator[None]:
-    """A failed DCP call raises torch's CheckpointException: a BaseException, which a training
-    loop's `except Exception` does not catch, with every rank's traceback in its text. Where a
-    rank failed on a gpufeed error (bytes changed at the source, a read-only mount, a store
-    down), that error is raised instead: its one line says what to do."""
     try:
         yield
     except CheckpointException as exc:
-        failure = _gpufeed_failure(exc)
-        if failure is None:
+        failure = _unwrapped(exc)
+        if failure is exc:
             raise
         raise failure from None
 
 
-def _gpufeed_failure(exc: CheckpointException) -> GpufeedError | None:
-    """This rank's gpufeed error, else the lowest failed rank's, if any rank failed on one."""
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    for failed in sorted(exc.failures, key=lambda r: (r != rank, r)):
-        if isinstance(error := exc.failures[failed][0], GpufeedError):
-            return error
-    return None
+def _unwrapped(exc: BaseException) -> BaseException:
+    """A failed DCP call raises torch's CheckpointException: a BaseException, which a training
+    loop's `except Exception` does not catch, with every rank's traceback in its text. Where
+    every failed rank failed on a gpufeed error (bytes changed at the source, a read-only mount,
+    a store down), the lowest failed rank's stands for it, the same on every rank: its one line
+    says what to do. Any other failure is left as torch raised it, so none is hidden."""
+    if isinstance(exc, CheckpointException):
+        failures = [exc.failures[rank][0] for rank in sorted(exc.failures)]
+        if failures and all(isinstance(failure, GpufeedError) for failure in failures):
+            return failures[0]
+    return exc
 
 
 def load(path: str | os.PathLike[str], **kwargs: Any) -> Any:
