@@ -74,19 +74,6 @@ def test_write_through_waits_for_the_store_and_overwrite_replaces(out: Bucket) -
     assert "Contents" not in out.client.list_objects_v2(Bucket=out.name, Prefix="a.txt")  # type: ignore[attr-defined]
 
 
-def test_removing_a_directorys_last_file_in_a_local_store_removes_the_directory(tmp_path: Path) -> None:
-    """As a prefix in a bucket: a pruned checkpoint's step directory does not stay behind empty."""
-    root = tmp_path / "runs"
-    root.mkdir()
-    Namespace().add_mount("/runs", f"file://{root}", writable=True, allow_empty=True)
-    gpufeed.write("/runs/step-1/shard.bin", b"x", sync=True)
-    gpufeed.write("/runs/kept.bin", b"y", sync=True)
-    gpufeed.remove("/runs/step-1/shard.bin")
-    assert sorted(p.name for p in root.iterdir()) == ["kept.bin"]
-    gpufeed.remove("/runs/kept.bin")
-    assert root.is_dir(), "the mount's own directory stays"
-
-
 def test_a_writer_that_raises_commits_nothing(out: Bucket) -> None:
     gpufeed.write("/out/kept.bin", b"old", sync=True)
     with pytest.raises(RuntimeError), gpufeed.open("/out/kept.bin", "wb") as f:

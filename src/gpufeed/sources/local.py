@@ -86,8 +86,7 @@ class LocalSource(ObstoreSource):
             if not os.path.isdir(self.root):
                 raise self._no_directory()
             try:
-                # a directory whose last file is removed goes too, as a prefix does in a bucket
-                self._store = LocalStore(prefix=self.root, automatic_cleanup=True)
+                self._store = LocalStore(prefix=self.root)
             except (obx.GenericError, ValueError) as exc:
                 raise InvalidArgument(f"{self.url}: invalid store configuration ({exc})") from exc
         return self._store
