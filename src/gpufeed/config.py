@@ -231,16 +231,16 @@ def check_redis_url(url: str, what: str) -> None:
     from gpufeed.errors import InvalidArgument
 
     expected = "expected redis://HOST:PORT[/DB] (or rediss://, unix:///PATH?db=DB)"
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - the property raises on a port that is no number, or out of range
+    except ValueError as exc:
+        raise InvalidArgument(f"{what} {url!r}: {exc}; {expected}") from None
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise InvalidArgument(f"{what} {url!r}: {expected}")
-    try:
-        parts.port  # noqa: B018 - the property raises on a port that is no number
-    except ValueError:
-        raise InvalidArgument(f"{what} {url!r}: the port is not a number; {expected}") from None
-    db = parts.path.strip("/") if parts.scheme != "unix" else ""
-    for given in [db] if db else parse_qs(parts.query).get("db", []):
-        if not given.isdigit():
+    path = parts.path.strip("/") if parts.scheme != "unix" else ""
+    for given in ([path] if path else []) + parse_qs(parts.query).get("db", []):
+        if not re.fullmatch(r"[0-9]+", given):
             raise InvalidArgument(f"{what} {url!r}: database {given!r} is not a number; {expected}")
 
 

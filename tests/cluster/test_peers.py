@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpufeed.agent.peers import PEER_BATCH_BLOCKS, PEER_BATCH_BYTES, REQUESTS_PER_PEER, OwnerQueue
+from gpufeed.agent.peers import PEER_BATCH_BLOCKS, PEER_BATCH_BYTES, REQUESTS_PER_PEER, OwnerQueue, load_token
 from gpufeed.bench.children import free_port
 from gpufeed.client import agent_service
 from gpufeed.client.connection import AgentClient
@@ -278,7 +278,7 @@ def test_the_peer_api_refuses_a_wrong_token_garbage_and_oversized_requests(clust
 
 
 def test_cluster_status_lists_the_live_nodes_and_bad_settings_are_one_line(
-    cluster: tuple[str, list[Member]], tmp_path: Path
+    cluster: tuple[str, list[Member]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, members = cluster
     shown = subprocess.run([sys.executable, "-m", "gpufeed", "cluster", "status", "--cluster", url, "--json"],
@@ -316,12 +316,15 @@ def test_cluster_status_lists_the_live_nodes_and_bad_settings_are_one_line(
     assert no_token.returncode != 0 and "GPUFEED_CLUSTER_TOKEN" in no_token.stderr and "Traceback" not in no_token.stderr
     loose = tmp_path / "token"
     loose.write_text("a-token-of-32-characters-or-so-x")
-    loose.chmod(0o644)
+    loose.chmod(0o664)
     refused = subprocess.run([sys.executable, "-m", "gpufeed", "agent", "--cache-dir", str(tmp_path / "z"), "--cluster", url,
                               "--peer-addr", f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60,
                              env=unset | {"GPUFEED_CLUSTER_TOKEN_FILE": str(loose)})
     assert refused.returncode != 0 and refused.stderr.count("\n") == 1, refused.stderr
-    assert f"{loose}: other users may read or change it (mode 0644); chmod 600" in refused.stderr
+    assert f"{loose}: other users may change it (mode 0664); chmod 600" in refused.stderr
+    loose.chmod(0o640)  # a Secret's file read through the pod's group
+    monkeypatch.setenv("GPUFEED_CLUSTER_TOKEN_FILE", str(loose))
+    assert load_token() == "a-token-of-32-characters-or-so-x"
 
 
 def test_a_packs_blocks_go_through_their_owners_checked_against_the_index_sums(

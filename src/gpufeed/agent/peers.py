@@ -100,10 +100,13 @@ def load_token() -> str:
             mode = os.stat(path).st_mode & 0o777
         except OSError as exc:
             raise errors.InvalidArgument(f"GPUFEED_CLUSTER_TOKEN_FILE {path}: {exc.strerror or exc}") from None
-        if mode & 0o077:  # as ssh refuses a private key others can read: the token lets anyone read the caches
+        if mode & 0o022:  # whoever may change it chooses the cluster's secret
             raise errors.InvalidArgument(
-                f"GPUFEED_CLUSTER_TOKEN_FILE {path}: other users may read or change it (mode {mode:04o}); chmod 600 {path}"
+                f"GPUFEED_CLUSTER_TOKEN_FILE {path}: other users may change it (mode {mode:04o}); chmod 600 {path}"
             )
+        if mode & 0o004:  # a Kubernetes Secret's default (0644) among them: warned, not refused
+            log.warning("GPUFEED_CLUSTER_TOKEN_FILE %s: every user of this machine may read it (mode %04o): "
+                        "chmod 600 (or 640) it", path, mode)
     else:
         token = os.environ.get("GPUFEED_CLUSTER_TOKEN", "").strip()
     if len(token) < 16:
