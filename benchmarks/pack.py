@@ -259,6 +259,7 @@ def litdata_loader(remote: str, endpoint: str, cache: Path, args: argparse.Names
     # their first chunk. LitData's own guard against a parent that started it (set here as it sets
     # it itself) has them download with boto3, as it does then: measured here, about the samples/s
     # of obstore in a process that never started it (2 workers, 1,000 JPEGs, 20 ms away).
+    assert hasattr(downloader, "_OBSTORE_INIT_PID"), "this LitData has no obstore fork guard: its workers would hang"
     downloader._OBSTORE_INIT_PID = os.getpid()
     dataset = StreamingDataset(remote, cache_dir=str(cache), shuffle=True, seed=0, transform=decode,
                                storage_options={"endpoint_url": endpoint})

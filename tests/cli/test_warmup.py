@@ -64,7 +64,7 @@ def test_a_warmup_the_cache_cannot_take_says_so_and_fails(tmp_path: Path) -> Non
     assert "2.9 MiB not cached" in no_agent.stdout and "0 B were cached already" in no_agent.stdout
     *warning, error = no_agent.stderr.strip().splitlines()
     assert "reading without the cache" in warning[0]
-    assert error == ("gpufeed: error: warmup: 2.9 MiB of 2.9 MiB could not be cached on this node (see the warning "
+    assert error == ("gpufeed: error: warmup: 2.9 MiB of 2.9 MiB could not be cached (see the warning "
                      "above); reads of them go to the store")
     ok("agent", "start", "--cache-size", "2MiB")
     too_small = subprocess.run([sys.executable, "-m", "gpufeed", "warmup", "--json", "/d"], capture_output=True,

@@ -104,7 +104,7 @@ def warmup(
         )
     if uncached:  # a script that warms before training must not take this for a warm cache
         raise NotCached(
-            f"warmup: {human_bytes(uncached)} of {human_bytes(done.done_bytes)} could not be cached on this node "
+            f"warmup: {human_bytes(uncached)} of {human_bytes(done.done_bytes)} could not be cached "
             "(see the warning above); reads of them go to the store"
         )
 

@@ -12,7 +12,8 @@
 - The command runs in its own session; `stop` ends its whole process group, whatever is left
   of it when the command exits too. It gets SIGTERM when the runner dies (`PR_SET_PDEATHSIG`),
   and a reaper (`pool.reaper`) then ends its group as `stop` would, so a killed runner leaves
-  none of the command's processes holding the GPU.
+  none of the command's processes holding the GPU; one that left the group (`setsid`, a daemon)
+  is not followed: that would take a cgroup per job.
 """
 
 from __future__ import annotations
