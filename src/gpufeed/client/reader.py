@@ -371,9 +371,10 @@ class Client:
         for first in range(0, len(missing), WARM_STEP):
             part = missing[first : first + WARM_STEP]
             uncached, _ = self.fetches.once([(handle, part, [])], at_owners=at_owners)
-            left += sum(overlap(ref.block_size, i, lo, hi) for i in part if (ref.oid, i) in uncached)
+            sizes = {i: overlap(ref.block_size, i, lo, hi) for i in part}
+            left += sum(size for i, size in sizes.items() if (ref.oid, i) in uncached)
             if fetched is not None:
-                fetched(sum(overlap(ref.block_size, i, lo, hi) for i in part))
+                fetched(sum(sizes.values()))
         return left
 
     def cached_bytes(self, path: str) -> Iterator[tuple[FileStat, int]]:
