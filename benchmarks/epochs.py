@@ -25,9 +25,10 @@ shaper (first byte --latency-ms after each request). Loops:
 Printed per loop and epoch: samples/s, accelerator busy %, the ratio of samples/s to local
 disk's (in the table, to its first loop; in the summary, to the mean of that loop and one more
 after all the others, which shows how much this machine drifted during the run), the CPU
-seconds (from /proc) of the node agent, of the latency shaper (the emulated network: on a real
-node this CPU is not spent) and of the store server, and the bytes fetched from the store
-against the dataset's size.
+seconds (from /proc) of the job (the machine's busy time less the services': the loop and its
+workers), of the node agent, of the latency shaper (the emulated network: on a real node this
+CPU is not spent) and of the store server, and the bytes fetched from the store against the
+dataset's size.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ class Epoch:
     samples_s: float
     busy: float
     cpu_s: dict[str, float] = field(default_factory=dict)
-    """CPU seconds of the node agent, the shaper and the store server during the epoch."""
+    """CPU seconds of the node agent, the shaper and the store server during the epoch, and of
+    the whole machine ("node"): what the others leave of it is the job's (the loop, its workers)."""
     fetched: int = 0
 
 
@@ -213,6 +215,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def node_cpu_s() -> float:
+    """The machine's busy CPU seconds so far, every core and process together (/proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 def service_cpu_s() -> dict[str, float]:
     """CPU seconds so far of this run's node agent, and of the shapers and store servers this
     process started."""
@@ -221,6 +230,7 @@ def service_cpu_s() -> dict[str, float]:
     except Exception:
         totals = {"agent": 0.0}
     totals |= dict.fromkeys(SERVICES, 0.0)
+    totals["node"] = node_cpu_s()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -442,13 +452,14 @@ def main() -> None:
             for n, epoch in enumerate(loop.epochs, 1):
                 fetched = f"{epoch.fetched / total:5.2f}x data" if loop.name.startswith("gpufeed") else ""
                 spent = epoch.cpu_s
-                cpu = (f"{spent['agent']:5.2f} s {spent['shaper']:5.2f} s {spent['store']:5.2f} s"
-                       if loop.name.startswith("gpufeed") else "")
+                job = spent["node"] - spent["agent"] - spent["shaper"] - spent["store"]
+                cpu = f"{job:5.2f} s " + (f"{spent['agent']:5.2f} s {spent['shaper']:5.2f} s {spent['store']:5.2f} s"
+                                          if loop.name.startswith("gpufeed") else "")
                 print(f"{loop.name:<28} {n:>5} {epoch.samples_s:>10,.0f} {epoch.busy:>6.1%} {epoch.samples_s / base:>8.2f}x "
-                      f"{cpu:>23} {fetched:>11}", flush=True)
+                      f"{cpu:<31} {fetched:>11}", flush=True)
 
         print(f"{'loop':<28} {'epoch':>5} {'samples/s':>10} {'busy':>6} {'vs local':>9} "
-              f"{'CPU: agent / shaper / store':>23} {'fetched':>11}")
+              f"{'CPU: job / agent / shaper / store':<31} {'fetched':>11}")
         local = run_loop("local disk", args.epochs, seeded_loader(LocalFiles(paths), args), step_s, report)
         local_rate = statistics.mean(e.samples_s for e in local.epochs)
 
@@ -494,7 +505,7 @@ def main() -> None:
         f"{name} " + " / ".join(f"{r:.2f}" for r in ratios) for name, ratios in summary.items()))
     for loop in results:
         if loop.name.startswith("gpufeed"):
-            per_object = {kind: seconds / args.files * 1000 for kind, seconds in loop.epochs[0].cpu_s.items()}
+            per_object = {kind: seconds / args.files * 1000 for kind, seconds in loop.epochs[0].cpu_s.items() if kind != "node"}
             print(f"CPU per cold object, {loop.name}: " + ", ".join(f"{kind} {ms:.2f} ms" for kind, ms in per_object.items())
                   + f" (in this run, a bare obstore GET of each object, asked as the agent asks: {gets[loop.name]:.2f} ms; "
                   f"a plain open/write/rename of each file: {writes[loop.name]:.2f} ms)")
