@@ -274,6 +274,26 @@ def test_a_cache_dir_that_is_a_file_is_named_and_reads_go_on(tmp_path: Path, fil
     assert (tmp_path / "cache").read_bytes() == b"someone's file"
 
 
+def test_a_cache_dir_that_cannot_be_made_is_tried_once_not_per_read(
+    files: dict[str, bytes], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A home the agent cannot use (read-only, gone): each new file would otherwise try to make
+    the cache dir again, three times with pauses between (0.35 s a file)."""
+    from gpufeed.client import connection
+
+    tries: list[Path] = []
+    make = connection.make_cache_dir
+    monkeypatch.setattr(connection, "make_cache_dir", lambda primary: (tries.append(primary), make(primary)))
+    monkeypatch.setenv("GPUFEED_CACHE_DIRS", "/proc/no-such-cache")
+    client = Client()
+    for name, data in files.items():
+        assert client.read(f"/data/{name}") == data
+    assert tries == [Path("/proc/no-such-cache")]
+    assert [record.getMessage() for record in caplog.records] == [
+        "gpufeed: warning: cannot start the agent for /proc/no-such-cache: No such file or directory; reading without the cache"
+    ]
+
+
 def test_full_filesystem_serves_uncached_with_one_warning(tmp_path: Path, files: dict[str, bytes]) -> None:
     tiny = tmp_path / "tiny"
     tiny.mkdir()

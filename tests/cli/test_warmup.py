@@ -74,6 +74,32 @@ def test_a_warmup_the_cache_cannot_take_says_so_and_fails(tmp_path: Path) -> Non
     assert "cannot hold more blocks" in too_small.stderr and "could not be cached" in too_small.stderr
 
 
+def test_an_interrupted_warmup_does_not_count_what_the_cache_refused_as_cached(nginx: HttpServer, tmp_path: Path) -> None:
+    """Ctrl-C on a warmup after the cache refused a file too big for it: that file is not cached."""
+    site = nginx.root / f"uncached-{tmp_path.name}"
+    site.mkdir()
+    (site / "0-big.bin").write_bytes(os.urandom(3_000_000))
+    for i in range(1, 31):
+        (site / f"{i:02d}.bin").write_bytes(os.urandom(1000))
+    upstream = urlsplit(nginx.url)
+    with shaping((upstream.hostname, upstream.port), 50, None, tmp_path / "shaper.log") as port:
+        ok("mount", "add", "/slow", f"http://127.0.0.1:{port}/{site.name}", "-q")
+        ok("agent", "start", "--cache-size", "2MiB")
+        warmup = subprocess.Popen(
+            [sys.executable, "-m", "gpufeed", "warmup", "/slow", "-p", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env={**os.environ, "GPUFEED_PROGRESS_INTERVAL": "0.05"},
+        )
+        assert warmup.stderr is not None
+        while not re.match(r"warmup: ([3-9]|\d\d)/31 ", line := warmup.stderr.readline()):
+            assert line, "the warmup ended before it was interrupted"
+        warmup.send_signal(signal.SIGINT)
+        _, rest = warmup.communicate(timeout=60)
+    assert warmup.returncode == 130, rest
+    stopped = rest.splitlines()[-1]
+    assert re.fullmatch(r"gpufeed: interrupted: \d+/31 files complete, [\d.]+ KiB of 2\.9 MiB cached "
+                        r"\(2\.9 MiB not cached\); run the same warmup again to resume", stopped), stopped
+
+
 def test_a_killed_warmup_resumes_where_it_stopped(nginx: HttpServer, tmp_path: Path) -> None:
     site = nginx.root / f"warm-{tmp_path.name}"
     site.mkdir()

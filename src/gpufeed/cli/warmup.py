@@ -113,13 +113,15 @@ def _stopped(stop: warming.Stopped, as_json: bool) -> NoReturn:
     """Say how much is cached and leave at once with 130: the fetches still in flight are
     dropped rather than waited for (they would keep a big object's Ctrl-C waiting for minutes)."""
     p = stop.progress
-    cached = p.done_bytes + stop.partial_bytes
+    cached = max(0, p.done_bytes - p.uncached_bytes) + stop.partial_bytes
     if as_json:
-        summary = {"interrupted": True, "files": p.done_files, "bytes": cached, "of_files": p.files, "of_bytes": p.bytes}
+        summary = {"interrupted": True, "files": p.done_files, "bytes": cached, "uncached_bytes": p.uncached_bytes,
+                   "of_files": p.files, "of_bytes": p.bytes}
         print_json(summary)
+    not_cached = f" ({human_bytes(p.uncached_bytes)} not cached)" if p.uncached_bytes else ""
     err.print(
         f"gpufeed: interrupted: {p.done_files}/{p.files} files complete, {human_bytes(cached)} of "
-        f"{human_bytes(p.bytes)} cached; run the same warmup again to resume",
+        f"{human_bytes(p.bytes)} cached{not_cached}; run the same warmup again to resume",
         highlight=False,
         markup=False,
         soft_wrap=True,

@@ -207,17 +207,20 @@ class AgentClient:
         # One starter per node: threads queue on a lock, processes on an flock; whoever gets
         # it second finds the agent the first one started. A Python start-up per racing
         # thread (64 warmup threads, 8 DataLoader workers) would starve a small machine.
-        with self._start_lock, _node_start_lock(self.primary):
-            sock = connect(self.primary, self.timeout)
-            if sock is not None:
-                return sock
+        with self._start_lock:
             if time.monotonic() < self._start_after:
                 raise AgentUnavailable(f"the agent for {self.primary} failed to start moments ago")
             try:
-                return self.start(self.settings.agent_idle_timeout)
-            except AgentUnavailable:
-                self._start_after = time.monotonic() + START_BACKOFF_S  # don't spawn one per read
-                raise
+                with _node_start_lock(self.primary):
+                    sock = connect(self.primary, self.timeout)
+                    return sock if sock is not None else self.start(self.settings.agent_idle_timeout)
+            except (AgentUnavailable, OSError) as exc:
+                # don't try again per read: a cache dir that cannot be made (a read-only home)
+                # would cost every read a start-up and the request's retries
+                self._start_after = time.monotonic() + START_BACKOFF_S
+                if isinstance(exc, AgentUnavailable):
+                    raise
+                raise AgentUnavailable(f"cannot start the agent for {self.primary}: {exc.strerror or exc}") from exc
 
     def start(self, idle_timeout: float | None) -> socket.socket:
         """Start an agent and connect to it (or to the one that won a race to start)."""

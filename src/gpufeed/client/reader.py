@@ -49,6 +49,8 @@ T = TypeVar("T")
 
 WARM_STEP = 64
 """Blocks a warmup asks for at once: its progress moves every 256 MiB of a big object (4 MiB blocks)."""
+
+
 def _warner() -> Callable[[str, str], None]:
     """A client's warn-once, for it and its parts. Not a bound method: a part holding the client
     would make a reference cycle, and a dropped client must close its block files at once, not
