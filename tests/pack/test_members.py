@@ -3,9 +3,11 @@ is saved for the node's other processes, and is rebuilt from the pinned index wh
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import gpufeed
@@ -84,7 +86,9 @@ def mounted_pack(tmp_path: Path, dataset: Path) -> tuple[Namespace, Path]:
     return ns, Settings.from_env().home / "packs"
 
 
-def test_a_node_without_the_table_rebuilds_it_from_the_pinned_index(tmp_path: Path, dataset: Path) -> None:
+def test_a_node_without_the_table_rebuilds_it_from_the_pinned_index(
+    tmp_path: Path, dataset: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ns, tables = mounted_pack(tmp_path, dataset)
     (saved,) = tables.iterdir()
     shutil.rmtree(saved)  # as on a node that did not mount it (the manifest is shared through Redis)
@@ -96,6 +100,12 @@ def test_a_node_without_the_table_rebuilds_it_from_the_pinned_index(tmp_path: Pa
         f.truncate(100)  # a damaged table: removed and built again
     assert Namespace().stat("/p/train/cats/2.jpg").size == 1002
     assert MemberTable.load(saved) is not None
+    offsets = np.load(saved / "offset.npy")
+    np.save(saved / "offset.npy", offsets ^ 1)  # a flipped bit in every offset: read from it, every member is wrong
+    with caplog.at_level(logging.WARNING, "gpufeed"):
+        assert Client().read("/p/train/dogs/2.jpg") == bytes([102]) * 2002, "a changed column is caught, not served"
+    assert f"pack member table {saved} is damaged (a column does not match its sum); building it again" in caplog.text
+    assert np.array_equal(np.load(saved / "offset.npy"), offsets)
 
     (dataset / "train" / "dogs" / "2.jpg").write_bytes(b"changed")
     ns.refresh("/data")

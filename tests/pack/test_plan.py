@@ -45,6 +45,15 @@ def test_index_round_trip_and_corruption_is_caught() -> None:
     ]
     with pytest.raises(PackError, match="here: corrupt pack index"):
         idx.decode(data[:-7], "here")
+    for at in range(len(data)):  # a flipped bit anywhere, in an offset, a length, a path: refused, not served
+        damaged = bytearray(data)
+        damaged[at] ^= 1 << at % 8
+        with pytest.raises(PackError, match="here: corrupt pack index"):
+            idx.decode(bytes(damaged), "here")
+    legacy = idx.MAGIC + msgspec.msgpack.encode(msgspec.structs.replace(index, version=2))
+    assert idx.decode(legacy, "here").paths == index.paths, "an index from before checksums is still read"
+    with pytest.raises(PackError, match="here: corrupt pack index"):
+        idx.decode(legacy.replace(b"d/1.jpg", b"d/1.jp\xe7"), "here")
     with pytest.raises(PackError, match="a member ends past its shard"):
         idx.decode(idx.encode(idx.build("d", 4 * MiB, [("s0", 15)], [rows[0], rows[2]], bytes(8))), "here")
 
@@ -60,5 +69,5 @@ def test_chunk_sums_are_checked_against_the_shards_and_a_version_1_index_reads_w
         idx.decode(idx.encode(idx.build("d", 4 * MiB, shards, rows, sums[:16])), "here")
     old = idx.decode(idx.encode(msgspec.structs.replace(index, version=1, chunk_sums=b"")), "here")
     assert MemberTable.build(old).chunk_sums("s0") is None and [m.path for m in old.members()] == [r[0] for r in rows]
-    with pytest.raises(PackError, match="pack index version 3; this gpufeed reads versions 1 to 2"):
-        idx.decode(idx.encode(msgspec.structs.replace(index, version=3)), "here")
+    with pytest.raises(PackError, match="pack index version 4; this gpufeed reads versions 1 to 3"):
+        idx.decode(idx.encode(msgspec.structs.replace(index, version=4)), "here")

@@ -17,13 +17,24 @@ from dataclasses import dataclass
 
 import msgspec
 import numpy as np
+import xxhash
 
 from gpufeed.blocks import sums_length
 from gpufeed.errors import PackError
 
-VERSION = 2
-"""2: chunk sums. A version 1 index (none) is still read; its shards' blocks are not checked."""
+VERSION = 3
+"""2: chunk sums. 3: the index checks itself (SUMMED). Versions 1 and 2 are still read; a
+version 1 index's shard blocks are not checked, and neither index is."""
 MAGIC = b"GFPACK\x00\x01"
+"""What a version 1 or 2 index starts with: the msgpack follows."""
+SUMMED = b"GFPACK\x00\x03"
+"""What a version 3 index starts with: the xxh3-128 of the msgpack that follows it, then the
+msgpack. The chunk sums vouch for the shards' bytes; this vouches for where members lie in them,
+so a flipped bit in an offset, a length or a path fails the mount instead of serving another
+member's bytes."""
+
+
+DIGEST = 16
 
 
 class Index(msgspec.Struct, frozen=True):
@@ -103,7 +114,8 @@ def build(digest: str, block_size: int, shards: list[tuple[str, int]], members: 
 
 
 def encode(index: Index) -> bytes:
-    return MAGIC + msgspec.msgpack.encode(index)
+    payload = msgspec.msgpack.encode(index)
+    return SUMMED + xxhash.xxh3_128_digest(payload) + payload
 
 
 def decode(data: bytes | memoryview, where: str) -> Index:
@@ -113,11 +125,18 @@ def decode(data: bytes | memoryview, where: str) -> Index:
         return PackError(f"{where}: corrupt pack index ({why}); run 'gpufeed pack' again")
 
     view = memoryview(data)
-    if bytes(view[: len(MAGIC)]) != MAGIC:
+    magic = bytes(view[: len(MAGIC)])
+    if magic == SUMMED:
+        stated, payload = bytes(view[len(SUMMED) : len(SUMMED) + DIGEST]), view[len(SUMMED) + DIGEST :]
+        if xxhash.xxh3_128_digest(payload) != stated:
+            raise corrupt("its checksum does not match: it was damaged after it was written")
+    elif magic == MAGIC:
+        payload = view[len(MAGIC) :]
+    else:
         raise corrupt("not a gpufeed pack index")
     try:
-        index = msgspec.msgpack.decode(view[len(MAGIC) :], type=Index)
-    except msgspec.DecodeError as exc:
+        index = msgspec.msgpack.decode(payload, type=Index)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise corrupt(str(exc)) from None
     if not 1 <= index.version <= VERSION:
         raise PackError(f"{where}: pack index version {index.version}; this gpufeed reads versions 1 to {VERSION}")

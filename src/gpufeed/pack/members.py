@@ -15,6 +15,7 @@ are one contiguous range.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import shutil
 import tempfile
@@ -42,6 +43,14 @@ COLUMNS = (
 the index's, one more for the end; empty for a version 1 index)."""
 
 WALK_CHUNK = 8192
+log = logging.getLogger("gpufeed")
+
+
+def _digest(array: np.ndarray) -> str:
+    """xxh3-64 of an array's dtype, shape and bytes."""
+    hasher = xxhash.xxh3_64(f"{array.dtype.str}{array.shape}".encode())
+    hasher.update(np.ascontiguousarray(array).data.cast("B"))
+    return hasher.hexdigest()
 
 
 class TableMeta(msgspec.Struct, frozen=True):
@@ -144,7 +153,10 @@ class MemberTable:
         try:
             for name in COLUMNS:
                 np.save(building / f"{name}.npy", np.ascontiguousarray(self._a[name]))
-            (building / "meta.json").write_bytes(msgspec.json.encode(self.meta))
+            meta = msgspec.json.encode(self.meta)
+            sums = {name: _digest(self._a[name]) for name in COLUMNS} | {"meta": xxhash.xxh3_64_hexdigest(meta)}
+            (building / "sums.json").write_bytes(msgspec.json.encode(sums))
+            (building / "meta.json").write_bytes(meta)
             os.rename(building, where)
         except OSError:
             shutil.rmtree(building, ignore_errors=True)
@@ -154,15 +166,27 @@ class MemberTable:
     @classmethod
     def load(cls, where: Path) -> MemberTable | None:
         """The table saved at `where`, memory-mapped; None when there is none. A damaged one
-        (a file missing or cut short) is removed, so the caller builds it again."""
+        (a file missing, cut short or changed: every column is checked against the sums saved
+        with it, about 20 ms a million members) is removed, so the caller builds it again."""
         try:
             raw = (where / "meta.json").read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
         try:
+            sums = msgspec.json.decode((where / "sums.json").read_bytes(), type=dict[str, str])
+        except FileNotFoundError:  # saved by a release that wrote no sums: built again, quietly
+            shutil.rmtree(where, ignore_errors=True)
+            return None
+        except (OSError, msgspec.DecodeError):
+            sums = {}
+        try:
+            if sums.get("meta") != xxhash.xxh3_64_hexdigest(raw):
+                raise ValueError("meta.json does not match its sum")
             meta = msgspec.json.decode(raw, type=TableMeta)
             # plain ndarray views of the maps: np.memmap's indexing runs Python code per access
             arrays = {name: np.load(where / f"{name}.npy", mmap_mode="r").view(np.ndarray) for name in COLUMNS}
+            if any(sums.get(name) != _digest(array) for name, array in arrays.items()):
+                raise ValueError("a column does not match its sum")
             table = cls(arrays, meta)
             entries, members = len(table), len(arrays["length"])
             if len(arrays["starts"]) != entries + 1 or len(arrays["children"]) != entries or len(arrays["sha256"]) != members:
@@ -170,7 +194,8 @@ class MemberTable:
             starts = arrays["chunk_starts"]
             if len(starts) not in (0, len(meta.shards) + 1) or (len(starts) and starts[-1] != len(arrays["chunk_sums"])):
                 raise ValueError("chunk sums of different lengths")
-        except (OSError, ValueError, msgspec.DecodeError):
+        except (OSError, ValueError, msgspec.DecodeError) as exc:
+            log.warning("gpufeed: warning: pack member table %s is damaged (%s); building it again", where, exc)
             shutil.rmtree(where, ignore_errors=True)
             return None
         return table
