@@ -144,6 +144,23 @@ def test_a_killed_daemon_leaves_a_dead_mount_that_the_next_mount_cleans(tmp_path
     assert mountpoint not in fuse_mounts.mounted()
 
 
+def test_three_mounts_on_one_mountpoint_at_once_make_one_mount(tmp_path: Path, mountpoint: Path) -> None:
+    """A launch script run by every rank: one mount comes up, the others say it is there."""
+    make_files(tmp_path / "src", 3, 1000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    runs = [subprocess.Popen([sys.executable, "-m", "gpufeed", "fuse", str(mountpoint), "/data", "--no-warmup"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [(run.wait(timeout=120), *run.communicate()) for run in runs]
+    assert sorted(code for code, _, _ in results) == [0, 1, 1], results
+    refused = sorted(err.strip() for code, _, err in results if code)
+    assert refused == [f"gpufeed: error: {mountpoint}: a gpufeed mount is already there; stop it first with "
+                       f"'gpufeed fuse stop {mountpoint}'"] * 2
+    stacked = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {mountpoint} " in line]
+    assert len(stacked) == 1, stacked
+    ok("fuse", "stop", str(mountpoint))
+    assert mountpoint not in fuse_mounts.mounted()
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_unmounts_a_foreground_mount(tmp_path: Path, mountpoint: Path, stop: signal.Signals) -> None:
     make_files(tmp_path / "src", 3, 1000)

@@ -50,17 +50,19 @@ def fuse(
     nspath = words[1] if len(words) == 2 else "/"
     from gpufeed.client import Client
 
-    mountpoint = fuse_mounts.check(settings, Path(words[0]))
-    client = Client(settings)
-    if not client.stat(nspath).is_dir:
-        raise InvalidArgument(f"{nspath}: is a file; mount a directory of the namespace")
-    if foreground:
-        from gpufeed.integrations.fuse import serve  # loads libfuse
+    with fuse_mounts.Claim(Path(words[0])) as claim:
+        mountpoint = fuse_mounts.check(settings, Path(words[0]))
+        client = Client(settings)
+        if not client.stat(nspath).is_dir:
+            raise InvalidArgument(f"{nspath}: is a file; mount a directory of the namespace")
+        if foreground:
+            from gpufeed.integrations.fuse import serve  # loads libfuse
 
-        serve(mountpoint, nspath, warmup=warmup, read_ahead=read_ahead, client=client)
-        return
-    client.close()
-    pid = fuse_mounts.start(settings, mountpoint, nspath, warmup=warmup, read_ahead=read_ahead)
+            fuse_mounts.release_when_mounted(claim, mountpoint)
+            serve(mountpoint, nspath, warmup=warmup, read_ahead=read_ahead, client=client)
+            return
+        client.close()
+        pid = fuse_mounts.start(settings, mountpoint, nspath, warmup=warmup, read_ahead=read_ahead)
     warming = ", warming it up in the background" if warmup else ""
     warming += "" if read_ahead else ", no read-ahead"
     out.print(

@@ -9,11 +9,13 @@ mounts without loading libfuse. A mount is found in /proc/self/mountinfo (type
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,6 +113,55 @@ def _unmount(mountpoint: Path, *, lazy: bool) -> None:
     if result.returncode != 0:
         detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
         raise FuseError(f"{mountpoint}: cannot unmount: {detail.removeprefix('fusermount3: ')}")
+
+
+class Claim:
+    """This process's turn to mount on a mountpoint: an flock on the directory as it is before
+    the mount. Two `gpufeed fuse` on one mountpoint at once (a launch script run by every rank)
+    would otherwise both find it empty and stack two mounts there; the second waits here, then
+    finds the first one's mount. Released once the mount is up (or failed)."""
+
+    def __init__(self, mountpoint: Path) -> None:
+        self.fd: int | None = None
+        self._lock = threading.Lock()  # released by a watching thread or at the block's end
+        try:
+            self.fd = os.open(mountpoint.expanduser().absolute(), os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return  # no directory to mount on: `check` says so
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self.release()
+                    raise FuseError(f"{mountpoint}: another gpufeed fuse has been mounting there for "
+                                    f"{START_TIMEOUT_S:.0f} s") from None
+                time.sleep(0.02)
+
+    def release(self) -> None:
+        with self._lock:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
+def release_when_mounted(claim: Claim, mountpoint: Path) -> None:
+    """For a mount served in this process (`--foreground`): let the claim go once the mount is
+    up, from a thread, as serving blocks."""
+
+    def watch() -> None:
+        wait_until(lambda: mountpoint in mounted(), START_TIMEOUT_S)
+        claim.release()
+
+    threading.Thread(target=watch, name="gpufeed-fuse-claim", daemon=True).start()
 
 
 def check(settings: Settings, mountpoint: Path, device: Path = FUSE_DEVICE) -> Path:
