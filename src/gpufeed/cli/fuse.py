@@ -51,6 +51,12 @@ def fuse(
     from gpufeed.client import Client
 
     with fuse_mounts.Claim(Path(words[0])) as claim:
+        there = Path(words[0]).expanduser().absolute()
+        if fuse_mounts.mounted().get(there) == nspath and not fuse_mounts.is_dead(there):
+            found = fuse_mounts.state(settings, there) or {}
+            daemon = f" (pid {found['pid']})" if "pid" in found else ""
+            out.print(f"{nspath} is mounted at {there} already{daemon}", highlight=False, soft_wrap=True)
+            return
         mountpoint = fuse_mounts.check(settings, Path(words[0]))
         client = Client(settings)
         if not client.stat(nspath).is_dir:
