@@ -49,6 +49,15 @@ def size_text(size: int) -> str:
     return str(size)
 
 
+def human_bytes(size: float) -> str:
+    """`size` for people: 1.5 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
 def parse_quota(text: str, what: str) -> int:
     """A cache quota: a size above zero (a mount reads without caching with cache=off)."""
     size = parse_size(text, what)

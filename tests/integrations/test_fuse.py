@@ -232,6 +232,22 @@ def test_the_background_warmup_caches_the_mounted_path(tmp_path: Path, mountpoin
     assert "warmup of /data done" in log and "Ignoring invalid" not in log, "libfuse has nothing to complain of"
 
 
+def test_a_view_bigger_than_the_cache_is_not_warmed(tmp_path: Path, mountpoint: Path) -> None:
+    """Warming 3 MiB into a 2 MiB cache would evict what readers fetched and fetch it again."""
+    make_files(tmp_path / "src", 30, 100_000)
+    Namespace().add_mount("/data", f"file://{tmp_path / 'src'}")
+    ok("agent", "start", "--cache-size", "2MiB")
+    mount(mountpoint, "/data")
+    until(lambda: mount_state(mountpoint).get("warm_done"), what="the warmup")
+    assert stats().bytes_fetched == 0
+    note = "skipped: 2.9 MiB does not fit the cache's 2.0 MiB"
+    assert f"warmup done ({note})" in ok("fuse", "ls")
+    log = fuse_mounts.log_file(Settings.from_env(), mountpoint).read_text()
+    assert f"warmup of /data {note}; reads fill the cache as they go" in log
+    assert hashlib.sha256((mountpoint / "00003.bin").read_bytes()).digest() == hashlib.sha256(
+        (tmp_path / "src" / "00003.bin").read_bytes()).digest()
+
+
 def test_the_warmup_skips_a_file_it_cannot_open_and_caches_the_rest(tmp_path: Path, mountpoint: Path) -> None:
     """Files are looked up a batch at a time; one that fails (gone from the store of a --max-age
     mount, which checks at each open) is named in the log and skipped, even as the last one."""

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpufeed.cli.console import command_group, counted, err, human_bytes, out
-from gpufeed.config import Settings, parse_addr, parse_log_format, parse_quota, with_cluster_flags
+from gpufeed.cli.console import command_group, counted, err, out
+from gpufeed.config import Settings, human_bytes, parse_addr, parse_log_format, parse_quota, with_cluster_flags
 from gpufeed.errors import GpufeedError
 
 if TYPE_CHECKING:

@@ -15,8 +15,9 @@ import typer
 from gpufeed.bench.modes import DEFAULT_MODES, MODES, parse_modes
 from gpufeed.bench.remote import DEFAULT_LATENCY_MS
 from gpufeed.bench.workloads import WORKLOADS, Workload, workload
-from gpufeed.cli.console import command_group, counted, err, human_bytes, out, print_json
+from gpufeed.cli.console import command_group, counted, err, out, print_json
 from gpufeed.cli.progress import Meter
+from gpufeed.config import human_bytes
 from gpufeed.errors import GpufeedError, InvalidArgument
 
 if TYPE_CHECKING:

@@ -7,8 +7,8 @@ import math
 import typer
 from rich.table import Table
 
-from gpufeed.cli.console import command_group, counted, echo, human_bytes, out
-from gpufeed.config import Settings
+from gpufeed.cli.console import command_group, counted, echo, out
+from gpufeed.config import Settings, human_bytes
 
 app = command_group(help="Inspect and manage the node cache.", no_args_is_help=True)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from gpufeed.cli.console import command_group, counted, human_bytes, out, print_json
-from gpufeed.config import Settings
+from gpufeed.cli.console import command_group, counted, out, print_json
+from gpufeed.config import Settings, human_bytes
 from gpufeed.errors import GpufeedError, InvalidArgument
 
 app = command_group(help="The cache cluster: nodes that share what they cached.", no_args_is_help=True)

@@ -61,14 +61,6 @@ def command_group(**options: Any) -> typer.Typer:
     return typer.Typer(rich_markup_mode="markdown", **options)
 
 
-def human_bytes(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """`1 file`, `2 files`, `1,234 files` (`plural` for a noun that takes more than an s)."""
     return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpufeed.cli.console import counted, echo, err, human_bytes, print_json, when, write_stdout
+from gpufeed.cli.console import counted, echo, err, print_json, when, write_stdout
+from gpufeed.config import human_bytes
 from gpufeed.errors import GpufeedError, WriteError
 
 if TYPE_CHECKING:

@@ -99,6 +99,7 @@ def _list(settings: Settings, as_json: bool) -> None:
         warm = "off"
         if st.get("warmup"):
             warm = "done" if st.get("warm_done") else f"{st.get('warm_files', 0)}/{st.get('warm_total', 0)} files"
+            warm += f" ({st['warm_note']})" if st.get("warm_note") else ""
         status = "alive" if m.alive else "dead (the next 'gpufeed fuse' there cleans it)"
         if st.get("zero_open"):  # the kernel opens files itself: the daemon counts no opens but the first
             per_file = f"reads {calls.get('read', 0)}  opens cost no callback (immutable)"

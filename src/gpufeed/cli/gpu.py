@@ -11,8 +11,8 @@ from typing import Any
 
 import typer
 
-from gpufeed.cli.console import command_group, err, human_bytes, out, print_json
-from gpufeed.config import Settings, cluster_node_id, parse_size
+from gpufeed.cli.console import command_group, err, out, print_json
+from gpufeed.config import Settings, cluster_node_id, human_bytes, parse_size
 from gpufeed.errors import InvalidArgument, PoolError
 
 app = command_group(help="Share, queue and reclaim GPUs on a Ray cluster.", no_args_is_help=True)

@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpufeed.cli.console import command_group, counted, echo, human_bytes, out, print_json, when
+from gpufeed.cli.console import command_group, counted, echo, out, print_json, when
 from gpufeed.cli.progress import Meter
 
 if TYPE_CHECKING:  # the namespace and its engines are imported by the command that runs
-    from gpufeed.config import Settings
+    from gpufeed.config import Settings, human_bytes
     from gpufeed.meta import Mount
     from gpufeed.meta.manifest import ManifestStats
 

@@ -12,9 +12,9 @@ from urllib.parse import urlsplit
 
 import typer
 
-from gpufeed.cli.console import counted, echo, human_bytes, out
+from gpufeed.cli.console import counted, echo, out
 from gpufeed.cli.progress import Meter
-from gpufeed.config import parse_size
+from gpufeed.config import human_bytes, parse_size
 
 if TYPE_CHECKING:
     from gpufeed.pack.packer import Packed

@@ -12,8 +12,8 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from gpufeed.cli.console import err, human_bytes
-from gpufeed.config import Settings
+from gpufeed.cli.console import err
+from gpufeed.config import Settings, human_bytes
 
 if TYPE_CHECKING:
     from rich.progress import Progress

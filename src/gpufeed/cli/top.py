@@ -20,9 +20,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from gpufeed.cli.console import counted, human_bytes, out, print_json
+from gpufeed.cli.console import counted, out, print_json
 from gpufeed.cli.metrics import running_agent
-from gpufeed.config import Settings
+from gpufeed.config import Settings, human_bytes
 from gpufeed.errors import InvalidArgument
 from gpufeed.rpc.messages import Metrics, MetricsText, MountUsage, ReaderUsage, Usage, UsageInfo
 

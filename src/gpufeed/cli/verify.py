@@ -7,8 +7,9 @@ from dataclasses import asdict
 
 import typer
 
-from gpufeed.cli.console import counted, err, human_bytes, out, print_json
+from gpufeed.cli.console import counted, err, out, print_json
 from gpufeed.cli.progress import Meter
+from gpufeed.config import human_bytes
 
 
 def verify(

@@ -18,8 +18,9 @@ from typing import NoReturn
 import typer
 
 from gpufeed import warmup as warming
-from gpufeed.cli.console import counted, err, human_bytes, out, print_json
+from gpufeed.cli.console import counted, err, out, print_json
 from gpufeed.cli.progress import Meter
+from gpufeed.config import human_bytes
 from gpufeed.errors import InvalidArgument, NotCached
 
 

@@ -44,6 +44,9 @@ class MountState:
     warm_files: int = 0
     warm_total: int = 0
     warm_done: bool = False
+    warm_note: str = ""
+    """Why the warmup did not cache all of the view: skipped (bigger than the cache), or files
+    it could not cache."""
     errors: int = 0
     written: float = 0.0
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from gpufeed.client import Client, ObjectHandle
 from gpufeed.client.connection import AgentUnavailable
+from gpufeed.config import human_bytes
 from gpufeed.errors import GpufeedError
 from gpufeed.integrations.fuse_mounts import MountState
 from gpufeed.paths import FileStat
@@ -94,6 +95,11 @@ class MountPrefetch(threading.Thread):
         started = time.monotonic()
         files = list(self.client.walk(self.nspath))
         self.state.warm_total = len(files)
+        if (skipped := self._too_big(files)) is not None:
+            self.state.warm_note, self.state.warm_done = skipped, True
+            log.warning("gpufeed fuse: warmup of %s %s; reads fill the cache as they go", self.nspath, skipped)
+            return
+        unfetched: set[str] = set()
         sent: list[tuple[ObjectHandle, list[int]]] = []
         chunk: list[tuple[ObjectHandle, list[int]]] = []
         chunk_bytes = 0
@@ -106,13 +112,30 @@ class MountPrefetch(threading.Thread):
             if chunk_bytes >= WARMUP_CHUNK_BYTES or number == len(files):
                 while chunk and not self._send(chunk, self._warm_session, pin=False):
                     yield  # no agent for now: the next request starts one
-                yield from self._cached(sent)
+                yield from self._cached(sent, unfetched)
                 self.state.warm_files = number - len(chunk)
                 sent, chunk, chunk_bytes = chunk, [], 0
-        yield from self._cached(sent)
+        yield from self._cached(sent, unfetched)
+        if unfetched:
+            self.state.warm_note = f"{len(unfetched):,} file{'' if len(unfetched) == 1 else 's'} not cached"
+            named = ", ".join(sorted(unfetched)[:3]) + (", ..." if len(unfetched) > 3 else "")
+            log.warning("gpufeed fuse: warmup of %s could not cache %s (%s): their fetch failed or they were evicted; "
+                        "reads fetch them", self.nspath, self.state.warm_note.removesuffix(" not cached"), named)
         self.state.warm_files, self.state.warm_done = len(files), True
         done = f"{len(files):,} file{'' if len(files) == 1 else 's'}"
         log.info("gpufeed fuse: warmup of %s done: %s in %.1f s", self.nspath, done, time.monotonic() - started)
+
+    def _too_big(self, files: list[FileStat]) -> str | None:
+        """Why not to warm `files` at all: more bytes than the cache holds, which a warmup would
+        cycle through, evicting what readers just fetched (each byte fetched about twice)."""
+        try:
+            limit = self.client.agent.stats().limit
+        except (AgentUnavailable, GpufeedError, OSError):
+            return None  # no agent yet: the warmup's requests start one
+        total = sum(item.size for item in files)
+        if total <= limit:
+            return None
+        return f"skipped: {human_bytes(total)} does not fit the cache's {human_bytes(limit)}"
 
     def _handles(self, files: list[FileStat]) -> Iterator[ObjectHandle | None]:
         """Each file's handle, WARMUP_LOOKUPS files looked up together; None for a file that
@@ -132,13 +155,17 @@ class MountPrefetch(threading.Thread):
                     yield None
 
     @staticmethod
-    def _cached(sent: list[tuple[ObjectHandle, list[int]]]) -> Iterator[None]:
+    def _cached(sent: list[tuple[ObjectHandle, list[int]]], unfetched: set[str]) -> Iterator[None]:
         """Steps until every block of `sent` is published (an evicted or failed one counts as
-        done after a while: the warmup is a hint, the demand read fetches it anyway)."""
+        done after a while: the warmup is a hint, the demand read fetches it anyway); the
+        paths of the files not cached by then go into `unfetched`."""
         deadline = time.monotonic() + 120.0
         for handle, blocks in sent:
             ref = handle.blocks
             assert ref is not None
             for index in blocks:
-                while not os.path.exists(ref.path(index)) and time.monotonic() < deadline:
+                while not os.path.exists(ref.path(index)):
+                    if time.monotonic() >= deadline:
+                        unfetched.add(handle.path)
+                        break
                     yield
