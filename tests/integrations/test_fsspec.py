@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import fsspec
@@ -42,6 +43,8 @@ def test_listing_info_and_ranges(table: pd.DataFrame) -> None:
     assert fs.ls("gpufeed:///data", detail=False) == ["/data/notes.txt", "/data/tables"]
     assert fs.info("/data/notes.txt")["size"] == 10
     assert fs.info("/data/tables")["type"] == "directory"
+    assert fs.modified("/data/notes.txt") == datetime.fromtimestamp(fs.info("/data/notes.txt")["mtime"], UTC)
+    assert fs.modified("/data/notes.txt").year > 2000
     assert fs.cat_file("gpufeed:///data/notes.txt", 2, 5) == b"234"
     assert fs.cat_file("/data/notes.txt", -3) == b"789"
     with fsspec.open("gpufeed:///data/notes.txt") as f:

@@ -97,6 +97,9 @@ def test_every_file_is_byte_identical_and_ls_lR_asks_the_store_nothing(nginx: Ht
     assert len(nginx.access_log.read_text().splitlines()) == requests, "ls -lR reached the store"
     listed_at = client.namespace.resolve("/web").mount.listed_at  # type: ignore[union-attr]
     assert abs((mountpoint / "train").stat().st_mtime - listed_at) < 1, "a directory's time is its listing's, not 1970"
+    some = next(f for f in client.walk("/web"))
+    shown = (mountpoint / some.path.removeprefix("/web/")).stat()
+    assert shown.st_atime == shown.st_mtime and abs(shown.st_mtime - some.mtime) < 1e-3, "an atime of the object's, not 1970"
 
     assert digests(mountpoint) == digests(root)
     assert digests(mountpoint) == digests(root)  # again, from the kernel's page cache and the node cache
@@ -158,6 +161,11 @@ def test_three_mounts_on_one_mountpoint_at_once_make_one_mount(tmp_path: Path, m
                     f"mounted /data at {mountpoint}"], said
     stacked = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {mountpoint} " in line]
     assert len(stacked) == 1, stacked
+    with open(mountpoint / "00001.bin", "rb"):
+        busy = fails(1, "fuse", "stop", str(mountpoint))
+    assert busy.startswith(f"gpufeed: error: {mountpoint}: cannot unmount: ") and "busy" in busy, busy
+    assert busy.endswith(f"(a process uses it: 'fuser -vm {mountpoint}' names it; "
+                         f"'fusermount3 -uz {mountpoint}' detaches it now)"), busy
     Namespace().add_mount("/other", f"file://{tmp_path / 'src'}")
     assert fails(1, "fuse", str(mountpoint), "/other") == (
         f"gpufeed: error: {mountpoint}: a gpufeed mount is already there; stop it first with 'gpufeed fuse stop {mountpoint}'"

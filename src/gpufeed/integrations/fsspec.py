@@ -10,6 +10,7 @@ Registered through the `fsspec.specs` entry point, so no import is needed before
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from fsspec import AbstractFileSystem
@@ -51,6 +52,10 @@ class GpufeedFileSystem(AbstractFileSystem):
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         return _info(gpufeed.stat(self._strip_protocol(path)))
+
+    def modified(self, path: str) -> datetime:
+        """The file's modification time at its store, as listed (UTC)."""
+        return datetime.fromtimestamp(gpufeed.stat(self._strip_protocol(path)).mtime, UTC)
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         client = gpufeed.client()

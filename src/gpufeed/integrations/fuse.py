@@ -176,7 +176,8 @@ class FeedOperations(mfusepy.Operations):
         a refresh that changes them invalidates what the kernel keeps."""
         if item.is_dir:
             mtime = self._dir_mtime(path)
-            return {"st_mode": stat.S_IFDIR | 0o555, "st_nlink": 2, "st_uid": self.uid, "st_gid": self.gid, "st_mtime": mtime}
+            return {"st_mode": stat.S_IFDIR | 0o555, "st_nlink": 2, "st_uid": self.uid, "st_gid": self.gid,
+                    "st_mtime": mtime, "st_ctime": mtime, "st_atime": mtime}
         mtime = int(item.mtime * 1e9)
         self._served[path] = (item.version, item.size)
         return {
@@ -189,6 +190,7 @@ class FeedOperations(mfusepy.Operations):
             "st_gid": self.gid,
             "st_mtime": mtime,
             "st_ctime": mtime,
+            "st_atime": mtime,  # reads are not tracked; the object's time, not 1970
         }
 
     def _dir_mtime(self, path: str) -> int:

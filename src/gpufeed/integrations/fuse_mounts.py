@@ -115,6 +115,8 @@ def _unmount(mountpoint: Path, *, lazy: bool) -> None:
     result = subprocess.run(argv, capture_output=True, text=True)
     if result.returncode != 0:
         detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
+        if "busy" in detail.lower():  # a shell's working dir or an open file in it
+            detail += f" (a process uses it: 'fuser -vm {mountpoint}' names it; 'fusermount3 -uz {mountpoint}' detaches it now)"
         raise FuseError(f"{mountpoint}: cannot unmount: {detail.removeprefix('fusermount3: ')}")
 
 
