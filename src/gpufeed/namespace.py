@@ -143,6 +143,9 @@ class Namespace:
                     raise MountError(f"{url}: its {fmt} shards hold no members (--allow-empty mounts it anyway)")
                 from gpufeed.sources.stores import nearest_prefix
 
+                if mounting.holds_pack(source):  # an HTTP listing hides the pack's dot dir, and HTTP is not probed
+                    raise MountError(f"{url}: no objects listed, but a gpufeed pack is there: mount it with "
+                                     "--opt format=gpufeed-pack")
                 near = nearest_prefix(url, source_options(mount), self.settings)
                 hint = f"; did you mean {near}?" if near else ""
                 raise MountError(f"{url}: no objects under this prefix{hint} (--allow-empty mounts it anyway)")

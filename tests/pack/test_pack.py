@@ -33,7 +33,7 @@ from gpufeed.pack.members import MemberTable
 from gpufeed.pack.shards import ShardBuffers, ShardTask, write_shard
 from tests.cli.test_cli import fails, ok
 from tests.client.test_forked_reads import in_forked_child
-from tests.conftest import Bucket
+from tests.conftest import Bucket, HttpServer
 from tests.writes.test_appender import eventually
 
 
@@ -197,6 +197,19 @@ def test_bad_inputs_one_line(bucket: Bucket, tmp_path: Path, dataset: Path) -> N
     assert fails(1, "mount", "add", "/p4", f"file://{tmp_path}/p3", "--opt", "format=webdataset").endswith(
         "no .tar shards to mount as a WebDataset"
     )
+
+
+def test_a_pack_served_over_http_without_its_format_is_named(nginx: HttpServer, dataset: Path) -> None:
+    """An HTTP listing hides the pack's dot dir: the empty mount says what is there and how to mount it."""
+    ok("mount", "add", "/data", f"file://{dataset}")
+    site = nginx.root / f"packed-{dataset.parent.name}"
+    ok("pack", "/data", f"file://{site}")
+    url = f"{nginx.url}/{site.name}"
+    assert fails(1, "mount", "add", "/p", url) == (
+        f"gpufeed: error: {url}: no objects listed, but a gpufeed pack is there: mount it with --opt format=gpufeed-pack"
+    )
+    ok("mount", "add", "/p", url, "--opt", "format=gpufeed-pack")
+    assert gpufeed.read("/p/train/dogs/2.jpg") == (dataset / "train" / "dogs" / "2.jpg").read_bytes()
 
 
 def test_a_file_changed_since_its_listing_stops_the_pack_in_one_line(tmp_path: Path, dataset: Path) -> None:

@@ -8,9 +8,10 @@ import typer
 
 from gpufeed.cli.console import command_group, counted, echo, out, print_json, when
 from gpufeed.cli.progress import Meter
+from gpufeed.config import human_bytes
 
 if TYPE_CHECKING:  # the namespace and its engines are imported by the command that runs
-    from gpufeed.config import Settings, human_bytes
+    from gpufeed.config import Settings
     from gpufeed.meta import Mount
     from gpufeed.meta.manifest import ManifestStats
 

@@ -51,6 +51,15 @@ def detect(source: Source, requested: str) -> str:
     return "gpufeed-pack"
 
 
+def holds_pack(source: Source) -> bool:
+    """Whether `source` has a pack index, by one HEAD; False when it cannot say."""
+    try:
+        source.head(INDEX_KEY)
+    except SourceError:
+        return False
+    return True
+
+
 def listing(source: Source, fmt: str) -> Iterator[list[ObjectInfo]]:
     """What a mount of `source` in format `fmt` lists into its manifest, in batches (a gpufeed
     pack lists no members: `pack_rows`)."""
