@@ -23,6 +23,7 @@ from gpufeed.client.connection import stop_agent
 from gpufeed.config import Settings
 from gpufeed.errors import (
     InvalidArgument,
+    ObjectChanged,
     ObjectMissing,
     PathNotFound,
     SourceAuthError,
@@ -343,6 +344,36 @@ def test_a_server_that_ignores_ranges_serves_whole_files(tmp_path: Path) -> None
         assert gpufeed.read("/plain/small.bin") == b"s" * 1000
         with pytest.raises(SourceError, match=r"big.bin: the server ignores Range requests, so only whole files"):
             gpufeed.read("/plain/big.bin")
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+def test_a_server_that_ignores_conditions_cannot_pass_off_a_changed_file(tmp_path: Path) -> None:
+    """Python's http.server ignores If-Match and If-Unmodified-Since: a pinned read compares the
+    response's Last-Modified with the pinned version, and the new bytes are neither served nor
+    cached under the old version's name."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "t.bin").write_bytes(b"A" * 8)
+    listing = tmp_path / "list.txt"
+    listing.write_text("t.bin\n")
+    handler = functools.partial(_HtmlHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        import gpufeed
+
+        ns = Namespace()
+        ns.add_mount("/plain", f"http://127.0.0.1:{server.server_address[1]}/", {"list": str(listing)})
+        (site / "t.bin").write_bytes(b"B" * 8)  # same size, a later time: another version
+        later = (site / "t.bin").stat().st_mtime + 10
+        os.utime(site / "t.bin", (later, later))
+        with pytest.raises(ObjectChanged, match=r"t.bin: changed at the source since mount /plain was listed .*modified "):
+            gpufeed.read("/plain/t.bin")
+        ns.refresh("/plain")
+        assert gpufeed.read("/plain/t.bin") == b"B" * 8
     finally:
         server.shutdown()
         thread.join()

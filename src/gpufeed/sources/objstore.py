@@ -73,6 +73,11 @@ _CREDENTIALS_HINTS = {
 _OS_MESSAGE = re.compile(r'(?:message|error): "([^"]+)"')
 
 
+def _bare_etag(etag: str) -> str:
+    """An ETag without its weak mark and quotes: the same version whichever way a response wrote it."""
+    return etag.removeprefix("W/").strip('"')
+
+
 def _first_line(exc: BaseException) -> str:
     """The useful part of an obstore error: the store's own error code and message when the
     response carried an XML error body, else the first line (the rest is a Rust debug dump)."""
@@ -424,6 +429,8 @@ class ObstoreSource:
             raise ObjectChanged(
                 f"{where}: the object changed at the source since it was listed ({size} bytes, not {expect.size})"
             )
+        if conditional and expect is not None:
+            self._check_version(where, expect, result.meta)
         first, last = result.range
         self._check_length(key, data, first, last)
         if (first, last) != (start, end):
@@ -431,6 +438,21 @@ class ObstoreSource:
                 f"{where}: the source returned {len(data)} bytes ([{first}, {last})) for [{start}, {end}); it is {size} bytes now"
             )
         return start == 0 and end == size
+
+    @staticmethod
+    def _check_version(where: str, expect: ObjectInfo, meta: ObjectMeta) -> None:
+        """A pinned read answered with another version: a server that ignores If-Match and
+        If-Unmodified-Since (Python's http.server) sends what it has now, which its response's
+        ETag, else its Last-Modified (whole seconds, as HTTP dates go), tells apart."""
+        etag, modified = meta.get("e_tag"), meta.get("last_modified")
+        if expect.etag and etag:
+            if _bare_etag(etag) != _bare_etag(expect.etag):
+                raise ObjectChanged(f"{where}: the object changed at the source since it was listed "
+                                    f"(ETag {etag}, not {expect.etag})")
+        elif not expect.etag and expect.mtime > 0 and modified is not None and int(modified.timestamp()) != int(expect.mtime):
+            listed = datetime.fromtimestamp(expect.mtime, UTC).isoformat(timespec="seconds")
+            raise ObjectChanged(f"{where}: the object changed at the source since it was listed "
+                                f"(modified {modified.isoformat(timespec='seconds')}, not {listed})")
 
     def _check_length(self, key: str, data: memoryview, first: int, last: int) -> None:
         """A body that is not as long as the range it answers broke off (or ran on): retried."""
