@@ -124,7 +124,8 @@ def peer_tls(settings: Settings) -> tuple[ssl.SSLContext, ssl.SSLContext] | None
     if not any(files):
         return None
     if not all(files):
-        raise errors.InvalidArgument("peer TLS needs --peer-tls-cert, --peer-tls-key and --peer-tls-ca, all three")
+        raise errors.InvalidArgument("peer TLS needs GPUFEED_PEER_TLS_CERT, GPUFEED_PEER_TLS_KEY and GPUFEED_PEER_TLS_CA "
+                                     "(python -m gpufeed.agent: --peer-tls-cert, --peer-tls-key, --peer-tls-ca), all three")
     cert, key, ca = files
     try:
         server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)

@@ -11,6 +11,7 @@ listed one), and the content hash when the whole object is read.
 from __future__ import annotations
 
 import difflib
+import errno
 import logging
 import os
 import re
@@ -45,7 +46,7 @@ UNNAMEABLE = re.compile(r"[\x00-\x1f\x7f]")
 """Characters obstore refuses in a key (control characters): a file so named is skipped."""
 STAGING = re.compile(r"#\d+$")
 """obstore's parts of an upload in progress (`name#1`), which its listings leave out."""
-SKIPS_NAMED = 5
+SKIPS_NAMED = 10
 """Skipped entries a listing's warning names; the rest are counted."""
 MTIME_SLACK_S = 1e-5
 """A listed modification time went through a float and obstore's microseconds: a file whose
@@ -100,7 +101,7 @@ class LocalSource(ObstoreSource):
         whole on one name it cannot take (a newline or other control character, bytes that are
         not UTF-8) or one symlink loop: such an entry is skipped, and one warning names what
         was, as rsync and rclone do. As obstore's listing: symlinks followed (one that leads
-        nowhere skipped), upload parts (`name#1`) left out, and the version (ETag: inode,
+        nowhere skipped, and named), upload parts (`name#1`) left out, and the version (ETag: inode,
         mtime in µs, size) its HEAD gives, so a --max-age check agrees with the listing."""
         root = self.root
         if not os.path.isdir(root):
@@ -127,8 +128,10 @@ class LocalSource(ObstoreSource):
                     continue
                 try:
                     st = entry.stat()  # follows a symlink
-                except OSError:
-                    continue  # a symlink that leads nowhere, as obstore
+                except OSError as exc:  # a symlink that leads nowhere, or round in a loop of links
+                    why = "a symlink loop" if exc.errno == errno.ELOOP else "a symlink that leads nowhere"
+                    skipped.append(f"{key} ({why})" if entry.is_symlink() else f"{key} ({exc.strerror or exc})")
+                    continue
                 if stat.S_ISDIR(st.st_mode):
                     if _identity(st) in above:
                         skipped.append(f"{key} (a symlink loop)")
