@@ -73,6 +73,21 @@ def test_a_warmup_the_cache_cannot_take_says_so_and_fails(tmp_path: Path) -> Non
     assert json.loads(too_small.stdout)["uncached_bytes"] == 3_000_000
     assert "cannot hold more blocks" in too_small.stderr and "could not be cached" in too_small.stderr
 
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(10):
+        (many / f"{i}.bin").write_bytes(os.urandom(400_000))  # each fits, all 10 do not
+    ok("mount", "add", "/m", f"file://{many}")
+    cycled = subprocess.run([sys.executable, "-m", "gpufeed", "warmup", "/m", "-p", "1"], capture_output=True, text=True,
+                            timeout=120)
+    assert cycled.returncode == 1, cycled
+    evicted = re.search(r"fetched 3\.8 MiB, 0 B were cached already, ([\d.]+) MiB evicted again", cycled.stdout)
+    assert evicted and 1.5 < float(evicted[1]) < 3.8, cycled.stdout
+    assert cycled.stderr.strip().splitlines()[-1] == (
+        f"gpufeed: error: warmup: {evicted[1]} MiB of 3.8 MiB did not stay cached: the cache holds 2.0 MiB "
+        "(gpufeed agent start --cache-size); reads of them go to the store"
+    )
+
 
 def test_an_interrupted_warmup_does_not_count_what_the_cache_refused_as_cached(nginx: HttpServer, tmp_path: Path) -> None:
     """Ctrl-C on a warmup after the cache refused a file too big for it: that file is not cached."""

@@ -186,7 +186,7 @@ def test_a_cluster_warmup_caches_each_block_once_on_its_owner(
     done = warmup(members[0].env())
     assert done.returncode == 0, done.stderr
     total = sum(30_000 + i for i in range(FILES))
-    expected = {"files": FILES, "bytes": total, "fetched_bytes": total, "uncached_bytes": 0, "seconds": 0}
+    expected = {"files": FILES, "bytes": total, "fetched_bytes": total, "uncached_bytes": 0, "evicted_bytes": 0, "seconds": 0}
     assert json.loads(done.stdout) | {"seconds": 0} == expected
     assert gets(nginx, site) == FILES, "the store served each file once"
     cached = [len(list((member.cache / "blocks").rglob("*-*"))) for member in members]

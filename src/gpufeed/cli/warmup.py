@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
@@ -21,7 +21,10 @@ from gpufeed import warmup as warming
 from gpufeed.cli.console import counted, err, out, print_json
 from gpufeed.cli.progress import Meter
 from gpufeed.config import human_bytes
-from gpufeed.errors import InvalidArgument, NotCached
+from gpufeed.errors import GpufeedError, InvalidArgument, NotCached
+
+if TYPE_CHECKING:
+    from gpufeed.client import Client
 
 
 def _paths(paths: list[str], listing: Path | None) -> list[str]:
@@ -92,15 +95,17 @@ def warmup(
     elapsed = time.monotonic() - meter.started
     fetched, uncached = done.fetched_bytes, done.uncached_bytes
     cached = max(0, done.done_bytes - fetched - uncached)  # a pack's member costs its shard's whole block: maybe more than it
+    evicted, limit = (0, 0) if cluster or uncached else _evicted_again(client, wanted, sum(f.size for f in files))
     if as_json:
         summary = {"files": done.done_files, "bytes": done.done_bytes, "fetched_bytes": fetched,
-                   "uncached_bytes": uncached, "seconds": round(elapsed, 3)}
+                   "uncached_bytes": uncached, "evicted_bytes": evicted, "seconds": round(elapsed, 3)}
         print_json(summary)
     else:
         out.print(
             f"warmed {counted(done.done_files, 'file')}, {human_bytes(done.done_bytes)} in {elapsed:.1f} s: "
             f"fetched {human_bytes(fetched)}, {human_bytes(cached)} were cached already"
-            + (f", {human_bytes(uncached)} not cached" if uncached else ""),
+            + (f", {human_bytes(uncached)} not cached" if uncached else "")
+            + (f", {human_bytes(evicted)} evicted again" if evicted else ""),
             highlight=False,
         )
     if uncached:  # a script that warms before training must not take this for a warm cache
@@ -108,6 +113,24 @@ def warmup(
             f"warmup: {human_bytes(uncached)} of {human_bytes(done.done_bytes)} could not be cached "
             "(see the warning above); reads of them go to the store"
         )
+    if evicted:
+        raise NotCached(
+            f"warmup: {human_bytes(evicted)} of {human_bytes(done.done_bytes)} did not stay cached: the cache holds "
+            f"{human_bytes(limit)} (gpufeed agent start --cache-size); reads of them go to the store"
+        )
+
+
+def _evicted_again(client: Client, wanted: list[str], total: int) -> tuple[int, int]:
+    """Bytes of a warmup of `wanted` (`total` bytes) bigger than the cache that it pushed out
+    again (its first files for its last), and the cache's limit; nothing is looked at when it fits."""
+    try:
+        limit = client.agent.stats(start=False).limit
+    except GpufeedError:
+        return 0, 0
+    if total <= limit:
+        return 0, limit
+    present = {item.path: got for path in wanted for item, got in client.cached_bytes(path)}  # a file under two paths once
+    return max(0, total - sum(present.values())), limit
 
 
 def _stopped(stop: warming.Stopped, as_json: bool) -> NoReturn:
