@@ -88,3 +88,19 @@ def test_an_agent_killed_comes_back_as_it_was_started(dataset: Path, gpufeed_hom
     assert ok("cat", "/data/README") == "readme\n"  # a reader's own agent now
     assert "20.0 MiB" not in ok("agent", "status")
     ok("agent", "stop")
+
+
+def test_two_agent_starts_at_once_with_other_settings_do_not_both_succeed(gpufeed_home: Path) -> None:
+    """Every rank of a job running `agent start`: one starts its agent, the other finds it and
+    compares, as one after the other would."""
+    import subprocess
+    import sys
+
+    runs = [subprocess.Popen([sys.executable, "-m", "gpufeed", "agent", "start", *flags], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for flags in ([], ["--cache-size", "1GiB"])]
+    results = [(run.wait(timeout=120), *run.communicate()) for run in runs]
+    assert sorted(code for code, _, _ in results) == [0, 1], results
+    started = [out for code, out, _ in results if code == 0 and "serving" in out]
+    assert len(started) == 1, results
+    [why] = [err for code, _, err in results if code == 1]
+    assert "an agent already serves" in why and "stop it first with 'gpufeed agent stop'" in why, why

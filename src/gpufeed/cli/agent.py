@@ -176,23 +176,26 @@ def start(
     with another quota, dirs, metrics address or cluster settings than the flags ask for. A
     reader that finds it gone (killed) starts it again with these settings (`agent_service`)."""
     from gpufeed.client import agent_service
-    from gpufeed.client.connection import AGENT_ENTRY, AgentClient, agent_command, connect
+    from gpufeed.client.connection import AGENT_ENTRY, AgentClient, agent_command, connect, node_start_lock
 
     joins = _cluster(cluster, peer_addr, advertise, replicas, weight)
     asked = _asked(ctx, cache_dir, cache_size, metrics_addr, log_format, joins)
     settings = asked.settings()
     agent = AgentClient(settings)
-    if (sock := connect(settings.cache_dirs[0])) is not None:
-        sock.close()
-        hello = agent.stats(start=False)
-        if differ := _differences(asked, settings, hello):
-            raise GpufeedError(f"{_already(hello)}, not {' and '.join(differ)}: stop it first with 'gpufeed agent stop'")
-        advice = "to change its settings, stop it first with 'gpufeed agent stop'"
-        out.print(f"{_already(hello)}; {advice}", highlight=False, soft_wrap=True)
-        return
-    agent_service.forget(settings.cache_dirs[0])  # a service that died: these flags replace its own
-    agent.start(None).close()
-    agent_service.remember(settings.cache_dirs[0], agent_command(settings, None)[len(AGENT_ENTRY) :])
+    # one start at a time per node: of two at once (every rank running it), the second finds
+    # the first one's agent and compares its settings, instead of both saying they started theirs
+    with node_start_lock(settings.cache_dirs[0]):
+        if (sock := connect(settings.cache_dirs[0])) is not None:
+            sock.close()
+            hello = agent.stats(start=False)
+            if differ := _differences(asked, settings, hello):
+                raise GpufeedError(f"{_already(hello)}, not {' and '.join(differ)}: stop it first with 'gpufeed agent stop'")
+            advice = "to change its settings, stop it first with 'gpufeed agent stop'"
+            out.print(f"{_already(hello)}; {advice}", highlight=False, soft_wrap=True)
+            return
+        agent_service.forget(settings.cache_dirs[0])  # a service that died: these flags replace its own
+        agent.start(None).close()
+        agent_service.remember(settings.cache_dirs[0], agent_command(settings, None)[len(AGENT_ENTRY) :])
     where = ""
     if settings.metrics_addr:
         host, port = parse_addr(settings.metrics_addr)

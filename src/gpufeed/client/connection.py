@@ -100,7 +100,7 @@ def make_cache_dir(primary: Path) -> None:
 
 
 @contextmanager
-def _node_start_lock(primary: Path) -> Iterator[None]:
+def node_start_lock(primary: Path) -> Iterator[None]:
     """Held while starting the agent for `primary`; waits at most START_TIMEOUT_S for another
     starter (then goes ahead: the agent's own lock still admits only one)."""
     make_cache_dir(primary)
@@ -211,7 +211,7 @@ class AgentClient:
             if time.monotonic() < self._start_after:
                 raise AgentUnavailable(f"the agent for {self.primary} failed to start moments ago")
             try:
-                with _node_start_lock(self.primary):
+                with node_start_lock(self.primary):
                     sock = connect(self.primary, self.timeout)
                     return sock if sock is not None else self.start(self.settings.agent_idle_timeout)
             except (AgentUnavailable, OSError) as exc:
