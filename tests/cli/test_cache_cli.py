@@ -97,7 +97,7 @@ def test_two_agent_starts_at_once_with_other_settings_do_not_both_succeed(gpufee
     import sys
 
     runs = [subprocess.Popen([sys.executable, "-m", "gpufeed", "agent", "start", *flags], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for flags in ([], ["--cache-size", "1GiB"])]
+                             stderr=subprocess.PIPE, text=True) for flags in (["--cache-size", "1GiB"], ["--cache-size", "2GiB"])]
     results = [(run.wait(timeout=120), *run.communicate()) for run in runs]
     assert sorted(code for code, _, _ in results) == [0, 1], results
     started = [out for code, out, _ in results if code == 0 and "serving" in out]
