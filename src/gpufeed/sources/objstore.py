@@ -71,6 +71,7 @@ _CREDENTIALS_HINTS = {
     "azure": "set AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_KEY or AZURE_CLIENT_ID/AZURE_CLIENT_SECRET/AZURE_TENANT_ID, or ",
 }
 _OS_MESSAGE = re.compile(r'(?:message|error): "([^"]+)"')
+_WAITED = re.compile(r"Error performing \w+ \S+ in ([\d.]+)s, after (\d+) retries")
 
 
 def _bare_etag(etag: str) -> str:
@@ -94,9 +95,16 @@ def _first_line(exc: BaseException) -> str:
 def _unreachable_why(exc: BaseException, message: str) -> str:
     """The system's words for a connection failure ("Connection refused", "failed to lookup
     address information: Name or service not known"), which obstore keeps deep in its debug
-    dump, rather than its own ("error sending request"); its first line when there are none."""
+    dump, rather than its own ("error sending request"); for a store that took the connection
+    and never answered, how long it was given; else its first line."""
     os_error = _OS_MESSAGE.search(str(exc))
-    return os_error.group(1) if os_error else message
+    if os_error:
+        return os_error.group(1)
+    waited = _WAITED.search(message)
+    if waited and "error sending request" in message:
+        tries = int(waited.group(2)) + 1
+        return f"no answer in {float(waited.group(1)):.0f} s, {tries} tr{'y' if tries == 1 else 'ies'}"
+    return message
 
 
 def _is_connection_failure(message: str) -> bool:
