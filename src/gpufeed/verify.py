@@ -52,7 +52,14 @@ class Mismatch:
     computed: str | None
     detail: str = ""
 
+    @property
+    def unread(self) -> bool:
+        """A file with no hash recorded that could not be read: nothing to compare, not a mismatch."""
+        return self.computed is None and self.recorded == "-"
+
     def __str__(self) -> str:
+        if self.unread:
+            return f"{self.path}: {self.detail}"
         if self.computed is None:
             return f"{self.path}: recorded {self.recorded}; {self.detail}"
         return f"{self.path}: recorded {self.recorded}, the store holds {self.computed}"

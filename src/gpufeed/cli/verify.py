@@ -30,8 +30,10 @@ def verify(
     started = time.monotonic()
     with Meter("verify", len(files), sum(f.size for f in files), quiet) as meter:
         done = verifying.verify(client, target, lambda p: meter.update(p.files, p.bytes))
+    unread = sum(1 for mismatch in done.mismatches if mismatch.unread)
     for mismatch in done.mismatches:
-        err.print(f"gpufeed: mismatch: {mismatch}", markup=False, highlight=False, soft_wrap=True)
+        kind = "not verified" if mismatch.unread else "mismatch"
+        err.print(f"gpufeed: {kind}: {mismatch}", markup=False, highlight=False, soft_wrap=True)
     if as_json:
         print_json({**asdict(done), "seconds": round(time.monotonic() - started, 3)})
         if done.mismatches:
@@ -39,7 +41,8 @@ def verify(
         return
     out.print(
         f"verified {counted(done.files, 'file')}, {human_bytes(done.bytes)} in {time.monotonic() - started:.1f} s: "
-        f"{counted(done.recorded, 'hash', 'hashes')} recorded, {done.matched} matched, {len(done.mismatches)} mismatched",
+        f"{counted(done.recorded, 'hash', 'hashes')} recorded, {done.matched} matched, {len(done.mismatches) - unread} mismatched"
+        + (f", {unread} could not be read" if unread else ""),
         highlight=False,
     )
     if done.mismatches:
