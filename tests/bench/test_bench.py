@@ -137,6 +137,15 @@ def test_a_source_too_small_for_the_run_is_refused(tmp_path: Path) -> None:
     assert f"{source}: has 2 files" in line and "needs 4" in line and "gpufeed bench generate" in line, "the source given"
 
 
+def test_an_epoch_of_one_step_is_refused_not_reported_as_full_use(tmp_path: Path) -> None:
+    """AU leaves the first step out: one step would be reported as an idle-free accelerator."""
+    source = dataset(tmp_path, tiny(samples=8, samples_per_file=4))
+    line = one_error_line(gpufeed("bench", "-w", "resnet50", "-s", source, "--samples", "8", "--samples-per-file", "4",
+                                  "--batch", "8", "--mode", "direct"), 2)
+    assert line == ("gpufeed: error: --samples 8: an epoch needs 2 steps of 1 × 8 samples or more (AU leaves the first "
+                    "step out); give more samples or a smaller --batch")
+
+
 def test_a_source_of_another_record_size_is_refused_with_the_way_out(tmp_path: Path) -> None:
     source = dataset(tmp_path, tiny(samples=8))  # one file of 8 records
     line = one_error_line(gpufeed("bench", "-w", "resnet50", "-s", source, "--samples", "16"), 2)

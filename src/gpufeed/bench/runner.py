@@ -157,6 +157,15 @@ def run_mode(mode: Mode, run: RunContext, config: BenchConfig) -> ModeResult:
     return ModeResult(mode.name, prepared.setup_s, prepared.setup_bytes, tuple(epochs))
 
 
+def _check_steps(work: Workload) -> None:
+    """AU leaves an epoch's first step out: an epoch of one step would measure nothing and say 100 %."""
+    if work.samples < 2 * work.batch * work.accelerators:
+        raise InvalidArgument(
+            f"--samples {work.samples}: an epoch needs 2 steps of {work.accelerators} × {work.batch} samples or more "
+            "(AU leaves the first step out); give more samples or a smaller --batch"
+        )
+
+
 def run_bench(config: BenchConfig, progress: Progress = lambda line: None) -> BenchReport:
     """Each mode mounts the source at MOUNT/<mode> with its own mount options (a cached
     mode and an uncached one differ there), runs, and unmounts. Every mode reads the emulated
@@ -184,6 +193,7 @@ def run_bench(config: BenchConfig, progress: Progress = lambda line: None) -> Be
             try:
                 dataset = Dataset.from_mount(client, path, config.work, config.source)
                 if report is None:
+                    _check_steps(config.work)
                     mib = dataset.bytes / 2**20
                     progress(f"reading {dataset.samples} samples from {len(dataset.paths)} files, {mib:,.0f} MiB")
                     report = BenchReport(
