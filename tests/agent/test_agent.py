@@ -294,6 +294,34 @@ def test_a_cache_dir_that_cannot_be_made_is_tried_once_not_per_read(
     ]
 
 
+def test_a_read_only_home_still_reads_the_blocks_cached_there(
+    tmp_path: Path, files: dict[str, bytes], gpufeed_home: Path
+) -> None:
+    """A home that became read-only (or a cache baked into an image): no agent can start, but
+    the blocks cached there are read, checked as every hit is; the rest comes from the store."""
+    for name in ("00001.bin", "00002.bin"):
+        assert gpufeed.read(f"/data/{name}") == files[name]
+    stop_agent(Settings.from_env())
+    (tmp_path / "src" / "00001.bin").unlink()  # only the cache has it now
+    subprocess.run(["mount", "--bind", str(gpufeed_home), str(gpufeed_home)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(gpufeed_home)], check=True)
+        read = subprocess.run([sys.executable, "-m", "gpufeed", "cat", "/data/00001.bin", "/data/00003.bin"],
+                              capture_output=True, timeout=120)
+        assert (read.returncode, read.stdout) == (0, files["00001.bin"] + files["00003.bin"]), read.stderr
+        assert read.stderr.decode().strip() == (
+            f"gpufeed: warning: cannot start the agent for {gpufeed_home / 'cache'}: Read-only file system; reading the "
+            f"blocks cached in {gpufeed_home / 'cache'} without it, the rest from the store"
+        )
+        listed = subprocess.run([sys.executable, "-m", "gpufeed", "cache", "ls", "/data"], capture_output=True, text=True,
+                                timeout=120)
+        assert listed.returncode == 0, listed.stderr
+        shares = {line.split()[-1]: line.split()[0] for line in listed.stdout.splitlines()}
+        assert (shares["/data/00002.bin"], shares["/data/00003.bin"]) == ("100.0%", "0.0%"), listed.stdout
+    finally:
+        subprocess.run(["umount", str(gpufeed_home)], check=True)
+
+
 def test_full_filesystem_serves_uncached_with_one_warning(tmp_path: Path, files: dict[str, bytes]) -> None:
     tiny = tmp_path / "tiny"
     tiny.mkdir()

@@ -55,6 +55,11 @@ class AgentUnavailable(GpufeedError):
     """No agent could be reached or started for a cache dir."""
 
 
+class AgentCannotStart(AgentUnavailable):
+    """No agent runs and none could be started here (a cache dir that cannot be made or
+    written: a read-only home): the blocks already cached may still be read."""
+
+
 AGENT_ENTRY = (sys.executable, "-m", "gpufeed.agent")
 """The agent's own entry point: it loads no CLI."""
 
@@ -209,7 +214,7 @@ class AgentClient:
         # thread (64 warmup threads, 8 DataLoader workers) would starve a small machine.
         with self._start_lock:
             if time.monotonic() < self._start_after:
-                raise AgentUnavailable(f"the agent for {self.primary} failed to start moments ago")
+                raise AgentCannotStart(f"the agent for {self.primary} failed to start moments ago")
             try:
                 with node_start_lock(self.primary):
                     sock = connect(self.primary, self.timeout)
@@ -219,8 +224,8 @@ class AgentClient:
                 # would cost every read a start-up and the request's retries
                 self._start_after = time.monotonic() + START_BACKOFF_S
                 if isinstance(exc, AgentUnavailable):
-                    raise
-                raise AgentUnavailable(f"cannot start the agent for {self.primary}: {exc.strerror or exc}") from exc
+                    raise AgentCannotStart(str(exc)) from exc
+                raise AgentCannotStart(f"cannot start the agent for {self.primary}: {exc.strerror or exc}") from exc
 
     def start(self, idle_timeout: float | None) -> socket.socket:
         """Start an agent and connect to it (or to the one that won a race to start)."""
@@ -305,6 +310,19 @@ class AgentClient:
         if self._dirs_of is not hello:
             self._dirs, self._dirs_of = tuple(Path(d) for d in hello.dirs), hello
         return self._dirs
+
+    def readable_dirs(self) -> tuple[tuple[Path, ...], AgentCannotStart | None]:
+        """The cache dirs to read hits from, and why there is no agent to fetch misses into them
+        (None when there is one). With no agent able to start (a read-only home, a cache baked
+        into an image) the blocks already cached are still read where this node's settings put
+        them: every hit checks its block's identity and sums, and nothing is written there.
+        Raises AgentUnavailable when no cache dir can be read."""
+        try:
+            return self.dirs, None
+        except AgentCannotStart as exc:
+            if not self.settings.cache_dirs[0].is_dir():
+                raise
+            return self.settings.cache_dirs, exc
 
 
 def gone(pid: int) -> bool:

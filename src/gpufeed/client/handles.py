@@ -167,10 +167,12 @@ class Handles:
     def _cache(self) -> tuple[tuple[Path, ...], OpenBlocks] | None:
         """The node cache's dirs and this process's open block files; None without an agent."""
         try:
-            dirs = self.agent.dirs
+            dirs, no_agent = self.agent.readable_dirs()
         except AgentUnavailable as exc:
             self._warn("agent", f"{exc}; reading without the cache")
             return None
+        if no_agent is not None:
+            self._warn("agent", f"{no_agent}; reading the blocks cached in {dirs[0]} without it, the rest from the store")
         if self._files is None:
             self._files = openfiles.for_cache(dirs[0], self.settings.open_blocks)
             self.hits.every_check = self._files.check

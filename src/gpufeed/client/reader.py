@@ -381,7 +381,7 @@ class Client:
 
     def cached_bytes(self, path: str) -> Iterator[tuple[FileStat, int]]:
         """(file, bytes of it present in the cache) for every file under `path`; reads no data."""
-        return coverage.cached_bytes(self.namespace, self.settings, self.agent.dirs, path)
+        return coverage.cached_bytes(self.namespace, self.settings, self.agent.readable_dirs()[0], path)
 
     def open(self, path: str | os.PathLike[str], mode: str = "rb", *, sync: bool = False) -> FeedFile | FeedWriter:
         """`rb`: a seekable read-only file. `wb`: a new version of `path` in a writable mount,
