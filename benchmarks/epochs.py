@@ -25,10 +25,10 @@ shaper (first byte --latency-ms after each request). Loops:
 Printed per loop and epoch: samples/s, accelerator busy %, the ratio of samples/s to local
 disk's (in the table, to its first loop; in the summary, to the mean of that loop and one more
 after all the others, which shows how much this machine drifted during the run), the CPU
-seconds (from /proc) of the job (the machine's busy time less the services': the loop and its
-workers), of the node agent, of the latency shaper (the emulated network: on a real node this
-CPU is not spent) and of the store server, and the bytes fetched from the store against the
-dataset's size.
+seconds (from /proc) of the rest of the machine (its busy time less the services': the loop and
+its workers, the kernel's own threads, anything else running), of the node agent, of the
+latency shaper (the emulated network: on a real node this CPU is not spent) and of the store
+server, and the bytes fetched from the store against the dataset's size.
 """
 
 from __future__ import annotations
@@ -193,7 +193,8 @@ class Epoch:
     busy: float
     cpu_s: dict[str, float] = field(default_factory=dict)
     """CPU seconds of the node agent, the shaper and the store server during the epoch, and of
-    the whole machine ("node"): what the others leave of it is the job's (the loop, its workers)."""
+    the whole machine ("node"): what the others leave of it is mostly the job's (the loop, its
+    workers), with the kernel's threads and anything else running."""
     fetched: int = 0
 
 
@@ -452,14 +453,14 @@ def main() -> None:
             for n, epoch in enumerate(loop.epochs, 1):
                 fetched = f"{epoch.fetched / total:5.2f}x data" if loop.name.startswith("gpufeed") else ""
                 spent = epoch.cpu_s
-                job = spent["node"] - spent["agent"] - spent["shaper"] - spent["store"]
-                cpu = f"{job:5.2f} s " + (f"{spent['agent']:5.2f} s {spent['shaper']:5.2f} s {spent['store']:5.2f} s"
+                rest = spent["node"] - spent["agent"] - spent["shaper"] - spent["store"]
+                cpu = f"{rest:5.2f} s " + (f"{spent['agent']:5.2f} s {spent['shaper']:5.2f} s {spent['store']:5.2f} s"
                                           if loop.name.startswith("gpufeed") else "")
                 print(f"{loop.name:<28} {n:>5} {epoch.samples_s:>10,.0f} {epoch.busy:>6.1%} {epoch.samples_s / base:>8.2f}x "
                       f"{cpu:<31} {fetched:>11}", flush=True)
 
         print(f"{'loop':<28} {'epoch':>5} {'samples/s':>10} {'busy':>6} {'vs local':>9} "
-              f"{'CPU: job / agent / shaper / store':<31} {'fetched':>11}")
+              f"{'CPU: rest / agent / shaper / store':<31} {'fetched':>11}")
         local = run_loop("local disk", args.epochs, seeded_loader(LocalFiles(paths), args), step_s, report)
         local_rate = statistics.mean(e.samples_s for e in local.epochs)
 

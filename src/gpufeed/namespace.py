@@ -143,7 +143,8 @@ class Namespace:
                     raise MountError(f"{url}: its {fmt} shards hold no members (--allow-empty mounts it anyway)")
                 from gpufeed.sources.stores import nearest_prefix
 
-                if mounting.holds_pack(source):  # an HTTP listing hides the pack's dot dir, and HTTP is not probed
+                # HTTP is not probed for a pack, and its listing hides the pack's dot dir
+                if url.startswith(("http://", "https://")) and mounting.holds_pack(source):
                     raise MountError(f"{url}: no objects listed, but a gpufeed pack is there: mount it with "
                                      "--opt format=gpufeed-pack")
                 near = nearest_prefix(url, source_options(mount), self.settings)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -40,9 +42,6 @@ def test_agent_lifecycle_and_cache_commands(dataset: Path, gpufeed_home: Path) -
 
 
 def fails_status() -> int:
-    import subprocess
-    import sys
-
     return subprocess.run(
         [sys.executable, "-m", "gpufeed", "agent", "status"], capture_output=True, env=os.environ
     ).returncode
@@ -93,9 +92,6 @@ def test_an_agent_killed_comes_back_as_it_was_started(dataset: Path, gpufeed_hom
 def test_two_agent_starts_at_once_with_other_settings_do_not_both_succeed(gpufeed_home: Path) -> None:
     """Every rank of a job running `agent start`: one starts its agent, the other finds it and
     compares, as one after the other would."""
-    import subprocess
-    import sys
-
     runs = [subprocess.Popen([sys.executable, "-m", "gpufeed", "agent", "start", *flags], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for flags in (["--cache-size", "1GiB"], ["--cache-size", "2GiB"])]
     results = [(run.wait(timeout=120), *run.communicate()) for run in runs]

@@ -161,6 +161,9 @@ def test_three_mounts_on_one_mountpoint_at_once_make_one_mount(tmp_path: Path, m
                     f"mounted /data at {mountpoint}"], said
     stacked = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if f" {mountpoint} " in line]
     assert len(stacked) == 1, stacked
+    relative = subprocess.run([sys.executable, "-m", "gpufeed", "fuse", f"{mountpoint.name}/../{mountpoint.name}", "/data"],
+                              capture_output=True, text=True, cwd=mountpoint.parent, timeout=120)
+    assert (relative.returncode, relative.stdout.split(" (pid")[0]) == (0, f"/data is mounted at {mountpoint} already"), relative
     with open(mountpoint / "00001.bin", "rb"):
         busy = fails(1, "fuse", "stop", str(mountpoint))
     assert busy.startswith(f"gpufeed: error: {mountpoint}: cannot unmount: ") and "busy" in busy, busy

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ from gpufeed.meta.manifest import ManifestStats, entries_from_listing
 from gpufeed.namespace import Namespace
 from gpufeed.sources import open_source
 from gpufeed.sources.base import ObjectInfo
+from gpufeed.sources.objstore import ObstoreSource
 from tests.conftest import Bucket, HttpServer
 
 
@@ -384,6 +386,21 @@ def test_a_server_that_ignores_conditions_cannot_pass_off_a_changed_file(tmp_pat
     finally:
         server.shutdown()
         thread.join()
+
+
+def test_a_response_time_rounded_to_the_second_is_the_listed_version() -> None:
+    """HTTP dates are whole seconds: a listing at .9 s and a Last-Modified rounded up to the
+    next second are one version; a later one is another."""
+    listed = ObjectInfo("k", 8, 1_800_000_000.9)
+    at = datetime.fromtimestamp
+    ObstoreSource._check_version("here", listed, {"last_modified": at(1_800_000_001, UTC), "e_tag": None})
+    ObstoreSource._check_version("here", listed, {"last_modified": at(1_800_000_000, UTC), "e_tag": None})
+    with pytest.raises(ObjectChanged, match=r"here: the object changed at the source since it was listed \(modified "):
+        ObstoreSource._check_version("here", listed, {"last_modified": at(1_800_000_005, UTC), "e_tag": None})
+    tagged = ObjectInfo("k", 8, 0.0, '"abc"')
+    ObstoreSource._check_version("here", tagged, {"last_modified": None, "e_tag": 'W/"abc"'})
+    with pytest.raises(ObjectChanged, match=r"\(ETag \"abd\", not \"abc\"\)"):
+        ObstoreSource._check_version("here", tagged, {"last_modified": None, "e_tag": '"abd"'})
 
 
 def test_http_listing_file_with_and_without_sizes(nginx: HttpServer, tmp_path: Path) -> None:

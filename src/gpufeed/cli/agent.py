@@ -5,6 +5,7 @@ and after it (`agent start --cache-size 200GiB` is how people type it); after it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,8 +185,9 @@ def start(
     agent = AgentClient(settings)
     # one start at a time per node: of two at once (every rank running it), the second finds
     # the first one's agent and compares its settings, instead of both saying they started theirs
-    with node_start_lock(settings.cache_dirs[0]):
-        if (sock := connect(settings.cache_dirs[0])) is not None:
+    running = connect(settings.cache_dirs[0])  # one already serving: no lock to take (a read-only home)
+    with contextlib.nullcontext() if running is not None else node_start_lock(settings.cache_dirs[0]):
+        if (sock := running or connect(settings.cache_dirs[0])) is not None:
             sock.close()
             hello = agent.stats(start=False)
             if differ := _differences(asked, settings, hello):

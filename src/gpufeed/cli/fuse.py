@@ -51,7 +51,7 @@ def fuse(
     from gpufeed.client import Client
 
     with fuse_mounts.Claim(Path(words[0])) as claim:
-        there = Path(words[0]).expanduser().absolute()
+        there = fuse_mounts.canonical(Path(words[0]))
         if fuse_mounts.mounted().get(there) == nspath and not fuse_mounts.is_dead(there):
             found = fuse_mounts.state(settings, there) or {}
             daemon = f" (pid {found['pid']})" if "pid" in found else ""

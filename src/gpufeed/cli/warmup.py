@@ -127,7 +127,7 @@ def _evicted_again(client: Client, wanted: list[str], total: int) -> tuple[int, 
         limit = client.agent.stats(start=False).limit
     except GpufeedError:
         return 0, 0
-    if total <= limit:
+    if total <= limit * 0.9:  # well inside the cache (block headers and whole shard blocks take a little more)
         return 0, limit
     present = {item.path: got for path in wanted for item, got in client.cached_bytes(path)}  # a file under two paths once
     return max(0, total - sum(present.values())), limit

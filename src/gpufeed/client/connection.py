@@ -107,9 +107,13 @@ def make_cache_dir(primary: Path) -> None:
 @contextmanager
 def node_start_lock(primary: Path) -> Iterator[None]:
     """Held while starting the agent for `primary`; waits at most START_TIMEOUT_S for another
-    starter (then goes ahead: the agent's own lock still admits only one)."""
-    make_cache_dir(primary)
-    fd = os.open(primary / "start.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    starter (then goes ahead: the agent's own lock still admits only one). AgentCannotStart
+    when the cache dir cannot be made or written (a read-only home)."""
+    try:
+        make_cache_dir(primary)
+        fd = os.open(primary / "start.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise AgentCannotStart(f"cannot start the agent for {primary}: {exc.strerror or exc}") from exc
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -219,13 +223,13 @@ class AgentClient:
                 with node_start_lock(self.primary):
                     sock = connect(self.primary, self.timeout)
                     return sock if sock is not None else self.start(self.settings.agent_idle_timeout)
-            except (AgentUnavailable, OSError) as exc:
+            except AgentUnavailable as exc:
                 # don't try again per read: a cache dir that cannot be made (a read-only home)
                 # would cost every read a start-up and the request's retries
                 self._start_after = time.monotonic() + START_BACKOFF_S
-                if isinstance(exc, AgentUnavailable):
-                    raise AgentCannotStart(str(exc)) from exc
-                raise AgentCannotStart(f"cannot start the agent for {self.primary}: {exc.strerror or exc}") from exc
+                if isinstance(exc, AgentCannotStart):
+                    raise
+                raise AgentCannotStart(str(exc)) from exc
 
     def start(self, idle_timeout: float | None) -> socket.socket:
         """Start an agent and connect to it (or to the one that won a race to start)."""
@@ -316,7 +320,7 @@ class AgentClient:
         (None when there is one). With no agent able to start (a read-only home, a cache baked
         into an image) the blocks already cached are still read where this node's settings put
         them: every hit checks its block's identity and sums, and nothing is written there.
-        Raises AgentUnavailable when no cache dir can be read."""
+        Raises AgentUnavailable when there is no cache dir to read (none was ever made)."""
         try:
             return self.dirs, None
         except AgentCannotStart as exc:

@@ -130,10 +130,10 @@ class Claim:
         self.fd: int | None = None
         self._lock = threading.Lock()  # released by a watching thread or at the block's end
         try:
-            self.fd = os.open(mountpoint.expanduser().absolute(), os.O_RDONLY | os.O_DIRECTORY)
+            self.fd = os.open(canonical(mountpoint), os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
             return  # no directory to mount on: `check` says so
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + 2 * START_TIMEOUT_S  # the holder may wait START_TIMEOUT_S for its daemon
         while True:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -142,8 +142,11 @@ class Claim:
                 if time.monotonic() > deadline:
                     self.release()
                     raise FuseError(f"{mountpoint}: another gpufeed fuse has been mounting there for "
-                                    f"{START_TIMEOUT_S:.0f} s") from None
+                                    f"{2 * START_TIMEOUT_S:.0f} s") from None
                 time.sleep(0.02)
+            except OSError:  # a filesystem without flock (Lustre without -o flock, NFS without lockd)
+                self.release()
+                return
 
     def release(self) -> None:
         with self._lock:
@@ -156,6 +159,11 @@ class Claim:
 
     def __exit__(self, *_: object) -> None:
         self.release()
+
+
+def canonical(mountpoint: Path) -> Path:
+    """The mountpoint as the kernel's mount table writes it: absolute, without `..` or links."""
+    return Path(os.path.realpath(mountpoint.expanduser()))
 
 
 def release_when_mounted(claim: Claim, mountpoint: Path) -> None:
@@ -182,7 +190,7 @@ def check(settings: Settings, mountpoint: Path, device: Path = FUSE_DEVICE) -> P
         ) from None
     except PermissionError:
         raise FuseError(f"{device}: permission denied: add the user to the 'fuse' group or make the device readable") from None
-    mountpoint = mountpoint.expanduser().absolute()
+    mountpoint = canonical(mountpoint)
     if is_dead(mountpoint):
         _unmount(mountpoint, lazy=True)
         state_file(settings.home, mountpoint).unlink(missing_ok=True)
@@ -292,7 +300,7 @@ def live(settings: Settings) -> list[LiveMount]:
 
 def stop(settings: Settings, mountpoint: Path) -> None:
     """Unmount; the daemon's loop ends and it exits. A dead mount is cleaned lazily."""
-    mountpoint = mountpoint.expanduser().absolute()
+    mountpoint = canonical(mountpoint)
     if mountpoint not in mounted():
         raise FuseError(f"{mountpoint}: no gpufeed mount there (see 'gpufeed fuse ls')")
     found = state(settings, mountpoint)

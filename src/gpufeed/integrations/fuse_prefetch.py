@@ -129,9 +129,9 @@ class MountPrefetch(threading.Thread):
         """Why not to warm `files` at all: more bytes than the cache holds, which a warmup would
         cycle through, evicting what readers just fetched (each byte fetched about twice)."""
         try:
-            limit = self.client.agent.stats().limit
-        except (AgentUnavailable, GpufeedError, OSError):
-            return None  # no agent yet: the warmup's requests start one
+            limit = self.client.agent.stats().limit  # starts the agent the warmup's requests would
+        except GpufeedError:
+            return None  # no agent can run: the warmup's requests find out and read-ahead goes on
         total = sum(item.size for item in files)
         if total <= limit:
             return None

@@ -35,6 +35,7 @@ member's bytes."""
 
 
 DIGEST = 16
+"""Bytes of the xxh3-128 after SUMMED."""
 
 
 class Index(msgspec.Struct, frozen=True):
@@ -138,6 +139,8 @@ def decode(data: bytes | memoryview, where: str) -> Index:
         index = msgspec.msgpack.decode(payload, type=Index)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise corrupt(str(exc)) from None
+    if magic == MAGIC and index.version >= 3:  # a version that carries a checksum, without it
+        raise corrupt(f"a version {index.version} index without its checksum")
     if not 1 <= index.version <= VERSION:
         raise PackError(f"{where}: pack index version {index.version}; this gpufeed reads versions 1 to {VERSION}")
     n = len(index.paths)

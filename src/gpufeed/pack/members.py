@@ -42,6 +42,10 @@ COLUMNS = (
 `length`, `mtime`, `sha256`. Per shard: `chunk_starts` (where its sums begin in `chunk_sums`,
 the index's, one more for the end; empty for a version 1 index)."""
 
+CHECKED_ON_OPEN = tuple(name for name in COLUMNS if name != "sha256")
+"""Columns each process checks against their sums when it opens a table: all that find a
+member and its bytes. Not the members' sha256 (a third of a table), which only `verify`
+reads, and which a damaged copy would make report a mismatch, not serve wrong bytes."""
 WALK_CHUNK = 8192
 log = logging.getLogger("gpufeed")
 
@@ -166,8 +170,9 @@ class MemberTable:
     @classmethod
     def load(cls, where: Path) -> MemberTable | None:
         """The table saved at `where`, memory-mapped; None when there is none. A damaged one
-        (a file missing, cut short or changed: every column is checked against the sums saved
-        with it, about 20 ms a million members) is removed, so the caller builds it again."""
+        (a file missing, cut short or changed: its columns are checked against the sums saved
+        with it, CHECKED_ON_OPEN, about 20 ms a million members) is removed, so the caller
+        builds it again."""
         try:
             raw = (where / "meta.json").read_bytes()
         except (FileNotFoundError, NotADirectoryError):
@@ -185,7 +190,7 @@ class MemberTable:
             meta = msgspec.json.decode(raw, type=TableMeta)
             # plain ndarray views of the maps: np.memmap's indexing runs Python code per access
             arrays = {name: np.load(where / f"{name}.npy", mmap_mode="r").view(np.ndarray) for name in COLUMNS}
-            if any(sums.get(name) != _digest(array) for name, array in arrays.items()):
+            if any(sums.get(name) != _digest(arrays[name]) for name in CHECKED_ON_OPEN):
                 raise ValueError("a column does not match its sum")
             table = cls(arrays, meta)
             entries, members = len(table), len(arrays["length"])

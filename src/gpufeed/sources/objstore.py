@@ -101,7 +101,7 @@ def _unreachable_why(exc: BaseException, message: str) -> str:
     if os_error:
         return os_error.group(1)
     waited = _WAITED.search(message)
-    if waited and "error sending request" in message:
+    if waited and "error sending request" in message and "kind: Timeout" in str(exc):
         tries = int(waited.group(2)) + 1
         return f"no answer in {float(waited.group(1)):.0f} s, {tries} tr{'y' if tries == 1 else 'ies'}"
     return message
@@ -451,13 +451,14 @@ class ObstoreSource:
     def _check_version(where: str, expect: ObjectInfo, meta: ObjectMeta) -> None:
         """A pinned read answered with another version: a server that ignores If-Match and
         If-Unmodified-Since (Python's http.server) sends what it has now, which its response's
-        ETag, else its Last-Modified (whole seconds, as HTTP dates go), tells apart."""
+        ETag tells apart, else its Last-Modified when it is later than the listed time by more
+        than HTTP dates' whole seconds can round (If-Unmodified-Since's own test)."""
         etag, modified = meta.get("e_tag"), meta.get("last_modified")
         if expect.etag and etag:
             if _bare_etag(etag) != _bare_etag(expect.etag):
                 raise ObjectChanged(f"{where}: the object changed at the source since it was listed "
                                     f"(ETag {etag}, not {expect.etag})")
-        elif not expect.etag and expect.mtime > 0 and modified is not None and int(modified.timestamp()) != int(expect.mtime):
+        elif not expect.etag and expect.mtime > 0 and modified is not None and modified.timestamp() > expect.mtime + 1:
             listed = datetime.fromtimestamp(expect.mtime, UTC).isoformat(timespec="seconds")
             raise ObjectChanged(f"{where}: the object changed at the source since it was listed "
                                 f"(modified {modified.isoformat(timespec='seconds')}, not {listed})")
