@@ -100,3 +100,9 @@ def test_two_agent_starts_at_once_with_other_settings_do_not_both_succeed(gpufee
     assert len(started) == 1, results
     [why] = [err for code, _, err in results if code == 1]
     assert "an agent already serves" in why and "stop it first with 'gpufeed agent stop'" in why, why
+
+
+def test_agent_start_on_a_cache_dir_that_cannot_be_made_is_one_line() -> None:
+    assert fails(1, "agent", "start", env={"GPUFEED_CACHE_DIRS": "/proc/no-such-cache"}) == (
+        "gpufeed: error: cannot start the agent for /proc/no-such-cache: No such file or directory"
+    )

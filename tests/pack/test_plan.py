@@ -50,6 +50,8 @@ def test_index_round_trip_and_corruption_is_caught() -> None:
         damaged[at] ^= 1 << at % 8
         with pytest.raises(PackError, match="here: corrupt pack index"):
             idx.decode(bytes(damaged), "here")
+    with pytest.raises(PackError, match=r"here: corrupt pack index \(a version 3 index without its checksum\)"):
+        idx.decode(idx.MAGIC + msgspec.msgpack.encode(index), "here")
     legacy = idx.MAGIC + msgspec.msgpack.encode(msgspec.structs.replace(index, version=2))
     assert idx.decode(legacy, "here").paths == index.paths, "an index from before checksums is still read"
     with pytest.raises(PackError, match="here: corrupt pack index"):
