@@ -87,6 +87,22 @@ def test_dcp_saves_commit_last_keep_the_last_n_and_restore_from_this_nodes_cache
         checkpoints.load(loaded, step=1)
 
 
+def test_pruning_from_a_local_dir_leaves_no_empty_step_dirs(tmp_path: Path) -> None:
+    """A local dir store keeps the dirs its files were in; a pruned step's go with it, and a
+    file someone else put in a step dir stays, with its dir."""
+    (tmp_path / "ckpt").mkdir()
+    Namespace().add_mount("/local", f"file://{tmp_path / 'ckpt'}", writable=True, allow_empty=True)
+    checkpoints = gpufeed.torch.Checkpoints("/local/run", keep_last=2)
+    for step in range(1, 5):
+        checkpoints.save(state(step), step)
+    gpufeed.sync()
+    (tmp_path / "ckpt" / "run" / "step-00000003" / "notes.txt").write_text("kept by hand")
+    checkpoints.save(state(5), 5)  # prunes step 3
+    assert [c.step for c in checkpoints.list()] == [4, 5]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run").iterdir()) == ["step-00000003", "step-00000004", "step-00000005"]
+    assert [p.name for p in (tmp_path / "ckpt" / "run" / "step-00000003").iterdir()] == ["notes.txt"]
+
+
 def test_a_new_model_and_optimizer_resume_with_the_optimizers_state(out: Bucket) -> None:
     """The README's resume: a fresh process builds its model and optimizer and loads the newest
     checkpoint into them; Adam's moments and step counts come back, so training goes on as if

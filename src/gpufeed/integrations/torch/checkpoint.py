@@ -58,6 +58,9 @@ from torch.futures import Future as TorchFuture
 import gpufeed
 from gpufeed.client import Client
 from gpufeed.errors import GpufeedError, InvalidArgument, PathNotFound
+from gpufeed.mount_options import source_options
+from gpufeed.sources import open_source
+from gpufeed.sources.local import LocalSource
 
 METADATA = ".metadata"
 """DCP's commit marker: a checkpoint directory is complete when it holds this file."""
@@ -394,6 +397,21 @@ class Checkpoints:
         for item in self.client.walk(directory):
             if not item.is_dir:
                 self.client.remove(item.path)
+        self._remove_local_dirs(directory)
+
+    def _remove_local_dirs(self, directory: str) -> None:
+        """A local dir store keeps the directories its files were in: a pruned step's empty ones
+        go too, or `keep_last` leaves one empty dir per checkpoint ever saved. Only here, where
+        nothing writes into an old step (a store-wide clean-up would race writes making them)."""
+        where = self.client.namespace.resolve(directory)
+        if where is None or not where.mount.url.startswith("file://"):
+            return
+        source = open_source(where.mount.url, source_options(where.mount), self.client.settings)
+        if not isinstance(source, LocalSource):
+            return
+        for parent, _, _ in os.walk(os.path.join(source.root, where.key), topdown=False):
+            with contextlib.suppress(OSError):  # not empty: something else is there
+                os.rmdir(parent)
 
 
 def save(obj: object, path: str | os.PathLike[str], *, sync: bool = False) -> None:
