@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 from torch.utils.data import DataLoader
@@ -186,6 +187,22 @@ def test_mismatched_state_is_refused(data: FeedDataset[int]) -> None:
         FeedSampler(data, seed=1).load_state_dict({**state, "position": N + 1})
     with pytest.raises(InvalidArgument, match="prefetch=False"):
         FeedSampler(list(range(5)))
+
+
+def test_numpy_integers_are_epochs_and_seeds_floats_are_not(data: FeedDataset[int]) -> None:
+    """As DistributedSampler takes them: a loop over np.arange sets epochs with numpy integers."""
+    sampler = FeedSampler(data, seed=np.int64(3), prefetch=False)
+    sampler.set_epoch(np.int64(2))
+    assert type(sampler.state_dict()["epoch"]) is int and json.dumps(sampler.state_dict())
+    assert list(sampler) == _epoch(data, seed=3, epoch=2) != _epoch(data, seed=3, epoch=1)
+    with pytest.raises(InvalidArgument, match=r"epoch 2.0: expected an integer >= 0"):
+        sampler.set_epoch(2.0)  # type: ignore[arg-type]
+
+
+def _epoch(data: FeedDataset[int], seed: int, epoch: int) -> list[int]:
+    sampler = FeedSampler(data, seed=seed, prefetch=False)
+    sampler.set_epoch(epoch)
+    return list(sampler)
 
 
 def test_sampler_prefetches_the_files_it_will_hand_out(data: FeedDataset[int]) -> None:

@@ -8,6 +8,7 @@ and a run with any other world size continues from it without repeating or skipp
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +21,11 @@ __all__ = ["Shard", "epoch_permutation", "non_negative_int", "shard_order"]
 
 
 def non_negative_int(value: Any, what: str) -> int:
-    """Seeds, epochs and positions come from user code and checkpoints: refuse anything else."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """Seeds, epochs and positions come from user code and checkpoints: integers, numpy's too
+    (as DistributedSampler takes them), nothing else."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise InvalidArgument(f"{what} {value!r}: expected an integer >= 0")
-    return value
+    return int(value)
 
 
 @dataclass(frozen=True, slots=True)
