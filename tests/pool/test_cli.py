@@ -42,7 +42,9 @@ def test_kill_9_of_a_job_frees_its_lease_and_stops_its_command_and_its_children(
         client.wait()
     eventually(lambda: status("kill")["leases"] == [], "the killed job's lease to be freed", timeout=30)
     # a loaded machine: Ray notices the owner's death, the runner exits, the grace period (10 s) passes
-    eventually(lambda: not running("150.25"), "the command and its child to stop", timeout=90)
+    # the job's own command lines, whole: a shell or grep of the marker elsewhere is not the job
+    eventually(lambda: not running("sleep\x00150.25\x00") and not running(f"{job}\x00"), "the command and its child to stop",
+               timeout=90)
 
 
 def test_a_job_ends_with_its_command_not_with_its_background_jobs(cluster: Cluster) -> None:
@@ -54,7 +56,7 @@ def test_a_job_ends_with_its_command_not_with_its_background_jobs(cluster: Clust
         capture_output=True, text=True, timeout=45,
     )
     assert (done.returncode, done.stdout) == (3, "main-exits\n"), done.stderr
-    eventually(lambda: not running("62.75"), "the background job to end with the lease")
+    eventually(lambda: not running("sleep\x0062.75\x00"), "the background job to end with the lease")
 
 
 def test_run_waits_in_the_queue_with_a_status_line_then_runs(cluster: Cluster) -> None:
