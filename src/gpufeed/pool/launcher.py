@@ -11,7 +11,7 @@
   an MPS control daemon runs on the node (the driver ignores them otherwise).
 - The command runs in its own session; `stop` ends its whole process group, whatever is left
   of it when the command exits too. It gets SIGTERM when the runner dies (`PR_SET_PDEATHSIG`),
-  and a reaper (`pool.reaper`) then ends its group as `stop` would, so a killed runner leaves
+  and a reaper (`pool.reaper`, started before it) then ends its group as `stop` would, so a killed runner leaves
   none of the command's processes holding the GPU; one that left the group (`setsid`, a daemon)
   is not followed: that would take a cgroup per job.
 """
@@ -77,31 +77,13 @@ def cap_this_process() -> None:
         shim.install(shim.leased_fraction())
 
 
-def _terminated_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def spawn(argv: Sequence[str], env: dict[str, str], cwd: str | None = None) -> subprocess.Popen[bytes]:
-    """The command, stdout and stderr merged into one pipe for the runner to stream."""
-    return subprocess.Popen(
-        list(argv),
-        env=env,
-        cwd=cwd if cwd and os.path.isdir(cwd) else None,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=_terminated_with_parent,
-    )
-
-
-def guard(proc: subprocess.Popen[bytes], grace: float) -> int:
-    """Start the reaper that ends the command's process group if this process dies first;
-    returns the pipe to tell it the group is ended (`release`)."""
+def guard(grace: float) -> int:
+    """Start the reaper that ends a command's process group if this process dies first, before
+    the command (`spawn`); returns the pipe the command's first process names its group on, and
+    this process says the group is ended on (`release`)."""
     watch, tell = os.pipe()  # not inherited by anything else this process starts: its death closes `tell`
     try:
-        argv = [sys.executable, "-I", reaper.__file__, str(proc.pid), str(grace), str(watch)]  # no package to import
+        argv = [sys.executable, "-I", reaper.__file__, str(grace), str(watch)]  # no package to import
         subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(watch,),
                        start_new_session=True, check=True)
     except BaseException:
@@ -110,6 +92,28 @@ def guard(proc: subprocess.Popen[bytes], grace: float) -> int:
     finally:
         os.close(watch)
     return tell
+
+
+def spawn(argv: Sequence[str], env: dict[str, str], cwd: str | None, tell: int) -> subprocess.Popen[bytes]:
+    """The command in a session of its own, stdout and stderr merged into one pipe for the runner
+    to stream. Its first process, between fork and exec, asks for SIGTERM when the runner dies
+    (`PR_SET_PDEATHSIG`) and names its group to the reaper on `tell` (from `guard`)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def watched() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        os.write(tell, b"%d\n" % os.getpid())
+
+    return subprocess.Popen(
+        list(argv),
+        env=env,
+        cwd=cwd if cwd and os.path.isdir(cwd) else None,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=watched,
+    )
 
 
 def release(tell: int) -> None:

@@ -46,16 +46,17 @@ class JobRunner:
         """Runs `argv` in `env` plus the lease on this node's `gpus` (index, share, leased bytes, GPU
         bytes each); yields its output line by line, then `{"exit": code, "reason": why stopped}`."""
         env = env | launcher.lease_env(gpus, env.get("PYTHONPATH", ""))
+        tell = launcher.guard(self.grace)
         try:
-            self.proc = launcher.spawn(argv, env, cwd)
+            self.proc = launcher.spawn(argv, env, cwd, tell)
         except OSError as exc:
+            launcher.release(tell)
             self.reason = f"cannot start {argv[0]!r}: {exc.strerror or exc}"
             self.done.set()
             yield {"exit": 127, "reason": self.reason}
             return
-        proc, tell, dog = self.proc, None, None
+        proc, dog = self.proc, None
         try:
-            tell = launcher.guard(proc, self.grace)
             dog = Watchdog(proc.pid, [g[0] for g in gpus], max(g[2] for g in gpus), self.idle_timeout, self._report, self.stop)
             dog.start()
             for line in launcher.output(proc, self.grace):  # noqa: UP028 - a generator Ray streams: no `yield from`
@@ -67,8 +68,7 @@ class JobRunner:
             try:
                 launcher.stop(proc, self.grace)  # its processes left behind too: the lease ends with them
             finally:
-                if tell is not None:
-                    launcher.release(tell)
+                launcher.release(tell)
                 self.done.set()
         yield {"exit": code, "reason": self.reason}
 
