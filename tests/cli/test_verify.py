@@ -68,6 +68,11 @@ def test_files_changed_or_deleted_at_the_source_are_reported_and_the_rest_still_
     assert failed[1].startswith("gpufeed: not verified: /data/train/dogs/2.jpg: the read failed: ")
     assert "changed at the source" in failed[0] and "deleted at the source" in failed[1]
     assert "4 hashes recorded, 0 matched, 0 mismatched, 2 could not be read" in result.stdout, result.stdout
+    shown = gpufeed("verify", "/data/train", "--json", "--quiet")
+    assert shown.returncode == 1, shown.stderr
+    counts = json.loads(shown.stdout)
+    unread = sorted(m["path"] for m in counts["not_verified"])
+    assert (counts["mismatches"], unread) == ([], ["/data/train/cats/1.jpg", "/data/train/dogs/2.jpg"])
     assert Namespace().stat("/data/train/dogs/0.jpg").content_hash == f"sha256:{sha256(dataset / 'train/dogs/0.jpg')}"
 
 

@@ -15,7 +15,9 @@ from gpufeed.config import human_bytes
 def verify(
     nspath: str = typer.Argument(..., help="Namespace path (a file or a directory) to hash."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr; errors and mismatches still print."),
-    as_json: bool = typer.Option(False, "--json", help="Print the counts and every mismatch as one JSON object."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the counts, every mismatch and every file not verified as one JSON object."
+    ),
 ) -> None:
     """Hash every file under NSPATH through the read path (sha256, or the algorithm of a hash
     the manifest has). Records the hash where the manifest has none; where it has one, prints
@@ -30,19 +32,21 @@ def verify(
     started = time.monotonic()
     with Meter("verify", len(files), sum(f.size for f in files), quiet) as meter:
         done = verifying.verify(client, target, lambda p: meter.update(p.files, p.bytes))
-    unread = sum(1 for mismatch in done.mismatches if mismatch.unread)
+    unread = [mismatch for mismatch in done.mismatches if mismatch.unread]
+    mismatched = [mismatch for mismatch in done.mismatches if not mismatch.unread]
     for mismatch in done.mismatches:
         kind = "not verified" if mismatch.unread else "mismatch"
         err.print(f"gpufeed: {kind}: {mismatch}", markup=False, highlight=False, soft_wrap=True)
     if as_json:
-        print_json({**asdict(done), "seconds": round(time.monotonic() - started, 3)})
+        listed = {"mismatches": [asdict(m) for m in mismatched], "not_verified": [asdict(m) for m in unread]}
+        print_json({**asdict(done), **listed, "seconds": round(time.monotonic() - started, 3)})
         if done.mismatches:
             raise typer.Exit(1)
         return
     out.print(
         f"verified {counted(done.files, 'file')}, {human_bytes(done.bytes)} in {time.monotonic() - started:.1f} s: "
-        f"{counted(done.recorded, 'hash', 'hashes')} recorded, {done.matched} matched, {len(done.mismatches) - unread} mismatched"
-        + (f", {unread} could not be read" if unread else ""),
+        f"{counted(done.recorded, 'hash', 'hashes')} recorded, {done.matched} matched, {len(mismatched)} mismatched"
+        + (f", {len(unread)} could not be read" if unread else ""),
         highlight=False,
     )
     if done.mismatches:
