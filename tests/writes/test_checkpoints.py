@@ -167,6 +167,43 @@ def test_a_save_that_fails_midway_leaves_no_checkpoint_that_loads(out: Bucket) -
     assert checkpoints.load(loaded) == 4 and same(loaded, state(4))
 
 
+def test_async_saves_that_finish_out_of_order_are_all_kept_whole(out: Bucket, moto_faults: FaultControl) -> None:
+    """Async saves run at once: a big one begun first finishes after smaller ones begun later.
+    A prune after those must leave the one still being saved (it was removed mid-save, then
+    listed once its marker landed, and did not load), and prunes finishing together must not
+    fail on files the other one removed."""
+    Namespace().add_mount("/slow", out.url, {"endpoint": moto_faults.url}, writable=True, allow_empty=True)
+    moto_faults.configure(seed=1, rates={"stall": 1.0}, stall=1.0, path_filter="ooo/step-00000000/")
+    checkpoints = gpufeed.torch.Checkpoints("/slow/ooo", keep_last=10)
+    saving = [checkpoints.async_save(state(step), step) for step in range(4)]
+    for future in saving:
+        future.result(timeout=120)
+    assert [c.step for c in checkpoints.list()] == [0, 1, 2, 3]
+    for step in range(4):
+        loaded = zeros_like(state(step))
+        assert checkpoints.load(loaded, step) == step and same(loaded, state(step)), step
+    last_only = gpufeed.torch.Checkpoints("/out/last", keep_last=1)
+    for future in [last_only.async_save(state(step), step) for step in range(5)]:
+        future.result(timeout=120)
+    assert [c.step for c in last_only.list()] == [4]
+
+
+def test_a_save_below_a_newer_checkpoint_warns_and_the_newer_one_can_be_removed(
+    out: Bucket, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run rolled back to step 20 from 30: resuming would pick 30, the abandoned run's."""
+    checkpoints = gpufeed.torch.Checkpoints("/out/rolled")
+    for step in (10, 20, 30):
+        checkpoints.save(state(step), step)
+    rolled = gpufeed.torch.Checkpoints("/out/rolled")
+    rolled.save(state(21), 21)
+    assert "/out/rolled: saving step 21 where step 30 is complete" in caplog.text
+    rolled.remove(30)
+    assert [c.step for c in rolled.list()] == [10, 20, 21] and keys(out, "rolled/step-00000030") == []
+    loaded = zeros_like(state(21))
+    assert rolled.load(loaded) == 21 and same(loaded, state(21))
+
+
 def test_torch_save_and_load_through_a_gpufeed_path(out: Bucket) -> None:
     saved = state(7)
     gpufeed.torch.save(saved, "/out/plain/model.pt", sync=True)

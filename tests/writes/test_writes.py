@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 import gpufeed
+import gpufeed.torch
 from gpufeed.client.connection import AgentClient, stop_agent
 from gpufeed.config import Settings
 from gpufeed.errors import IsADirectory, NotADirectory, PathNotFound, ReadOnlyMount, WriteError
@@ -121,6 +123,11 @@ def test_a_full_staging_disk_is_one_clear_error_and_keeps_what_was_stored(out: B
         with pytest.raises(WriteError, match=r"/out/big.bin: the staging disk is full .*nothing was written"):
             with gpufeed.open("/out/big.bin", "wb") as f:
                 f.write(os.urandom(2 << 20))
+        # torch.save's zip writer reports a failed write as "unexpected pos": the write's own error instead
+        with pytest.raises(WriteError, match=r"/out/big.bin: the staging disk is full .*nothing was written"):
+            gpufeed.torch.save({"w": torch.ones(1 << 19)}, "/out/big.bin")
+        with pytest.raises(WriteError, match=r"/out/run/step-00000001/__0_0.distcp: the staging disk is full"):
+            gpufeed.torch.Checkpoints("/out/run").save({"w": torch.ones(1 << 19)}, 1)
         staging.unlink()
         moved.rename(staging)
     finally:

@@ -45,6 +45,9 @@ class FeedWriter(io.RawIOBase):
         self._size = 0
         self.committed: Committed | None = None
         """The agent's answer once closed: the object as the manifest records it."""
+        self.failure: WriteError | None = None
+        """Why a write failed: a serializer that writes through a buffer of its own (torch.save's
+        zip writer) reports only that its write came up short."""
 
     def writable(self) -> bool:
         return True
@@ -70,8 +73,10 @@ class FeedWriter(io.RawIOBase):
         except OSError as exc:
             self._abort()
             if exc.errno in FULL:
-                raise WriteError(f"{self.path}: the staging disk is full ({self._staged.parent}): nothing was written") from None
-            raise WriteError(f"{self.path}: cannot stage it in {self._staged.parent}: {exc.strerror or exc}") from None
+                self.failure = WriteError(f"{self.path}: the staging disk is full ({self._staged.parent}): nothing was written")
+            else:
+                self.failure = WriteError(f"{self.path}: cannot stage it in {self._staged.parent}: {exc.strerror or exc}")
+            raise self.failure from None
         self._hash.update(view)
         self._size += len(view)
         return len(view)

@@ -27,11 +27,13 @@ import builtins
 import contextlib
 import dataclasses
 import io
+import logging
 import os
 import pickle
 import posixpath
 import queue
 import re
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -70,6 +72,7 @@ WRITE_BUFFER = 8 << 20
 READ_BUFFER = 1 << 20
 STEP_DIR = "step-{step:08d}"
 STEP_NAME = re.compile(r"step-(\d+)")
+log = logging.getLogger("gpufeed.checkpoints")
 
 
 def _path(path: str | os.PathLike[str]) -> str:
@@ -88,7 +91,7 @@ class NamespaceFiles(FileSystemBase):
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         if mode == "wb":
-            with self.client.open(_path(path), "wb") as raw:
+            with self.client.open(_path(path), "wb") as raw, _staging_failures(raw):
                 stream = io.BufferedWriter(raw, WRITE_BUFFER)
                 yield stream
                 if not stream.closed:
@@ -274,6 +277,11 @@ class Checkpoints:
         self.keep_last = keep_last
         self.client = client or gpufeed.client()
         self._process_group: dist.ProcessGroup | None = None
+        self._pruning = threading.Lock()
+        self._saving: set[int] = set()
+        """Steps this object is saving: incomplete until their `.metadata` lands, never pruned
+        (async saves run at once and finish out of order)."""
+        self._saved_before = False
 
     def path(self, step: int) -> str:
         if step < 0:
@@ -300,9 +308,14 @@ class Checkpoints:
         return complete[-1] if complete else None
 
     def save(self, state_dict: dict[str, Any], step: int, **writer: Any) -> None:
-        with _gpufeed_errors():
-            dcp.save(state_dict, storage_writer=GpufeedWriter(self._writable(step), client=self.client, **writer))
-        self.prune()
+        path = self._writable(step)
+        self._begin(step)
+        try:
+            with _gpufeed_errors():
+                dcp.save(state_dict, storage_writer=GpufeedWriter(path, client=self.client, **writer))
+        finally:
+            self._end(step)
+        self._prune_after_save()
 
     def _writable(self, step: int) -> str:
         """The step's directory, checked before DCP starts: a read-only or unknown root is one
@@ -315,14 +328,20 @@ class Checkpoints:
         """Returns once the state is copied to host memory; the future is done when the
         checkpoint is complete in the store (and older ones beyond `keep_last` are pruned)."""
         writer_ = GpufeedWriter(self._writable(step), client=self.client, **writer)
-        saving = dcp.async_save(state_dict, storage_writer=writer_, process_group=self._group())
+        self._begin(step)
+        try:
+            saving = dcp.async_save(state_dict, storage_writer=writer_, process_group=self._group())
+        except BaseException:
+            self._end(step)
+            raise
         assert isinstance(saving, Future)
         future: Future[Any] = Future()
 
         def pruned(saved: Future[Any]) -> None:
+            self._end(step)
             try:
                 metadata = saved.result()
-                self.prune()
+                self._prune_after_save()
             except BaseException as exc:
                 future.set_exception(_unwrapped(exc))
             else:
@@ -330,6 +349,27 @@ class Checkpoints:
 
         saving.add_done_callback(pruned)
         return future
+
+    def _begin(self, step: int) -> None:
+        with self._pruning:
+            self._saving.add(step)
+            first, self._saved_before = not self._saved_before, True
+        newer = [c.step for c in self.list() if c.step > step] if first else []
+        if newer:  # a run rolled back to an earlier step: the diverged one would win every resume
+            log.warning(
+                "%s: saving step %d where step %d is complete (a run this one rolled back from?): load() resumes from "
+                "the highest step%s; Checkpoints.remove(step) the newer ones if that run is abandoned",
+                self.root, step, newer[-1], " and keep_last keeps the highest" if self.keep_last else "",
+            )
+
+    def _end(self, step: int) -> None:
+        with self._pruning:
+            self._saving.discard(step)
+
+    def _prune_after_save(self) -> None:
+        """One rank prunes (rank 0): every rank removing the same files would race the others."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            self.prune()
 
     def load(self, state_dict: dict[str, Any], step: int | None = None, **reader: Any) -> int | None:
         """Load `step`, or the newest complete checkpoint, into `state_dict` in place; returns the
@@ -353,24 +393,31 @@ class Checkpoints:
 
     def prune(self) -> builtins.list[int]:
         """Remove complete checkpoints older than the last `keep_last`, and incomplete ones older
-        than the newest complete one (saves that died); returns the steps removed."""
+        than the newest complete one (saves that died; not one this object is still saving);
+        returns the steps removed."""
         if self.keep_last is None:
             return []
-        complete = self.list()
-        if not complete:
-            return []
-        keep = {c.step for c in complete[-self.keep_last :]}
-        newest = complete[-1].step
-        removed = []
-        for entry in self.client.ls(self.root):
-            match = STEP_NAME.fullmatch(posixpath.basename(entry.path))
-            if not (entry.is_dir and match):
-                continue
-            step = int(match.group(1))
-            if step not in keep and step < newest:
-                self._remove(entry.path)
-                removed.append(step)
-        return removed
+        with self._pruning:
+            complete = self.list()
+            if not complete:
+                return []
+            keep = {c.step for c in complete[-self.keep_last :]} | self._saving
+            newest = complete[-1].step
+            removed = []
+            for entry in self.client.ls(self.root):
+                match = STEP_NAME.fullmatch(posixpath.basename(entry.path))
+                if not (entry.is_dir and match):
+                    continue
+                step = int(match.group(1))
+                if step not in keep and step < newest:
+                    self._remove(entry.path)
+                    removed.append(step)
+            return removed
+
+    def remove(self, step: int) -> None:
+        """Remove checkpoint `step` (its commit marker first), complete or not."""
+        with self._pruning:
+            self._remove(self.path(step))
 
     def _group(self) -> dist.ProcessGroup | None:
         """A gloo group of its own for the saves' collectives: an async save gathers plans from a
@@ -390,13 +437,16 @@ class Checkpoints:
         return True
 
     def _remove(self, directory: str) -> None:
-        """The commit marker first: a checkpoint stops being listed before any of its files go."""
+        """The commit marker first: a checkpoint stops being listed before any of its files go.
+        A file already gone (another process pruned it) is no error."""
         marker = posixpath.join(directory, METADATA)
-        if self._complete(directory):
-            self.client.remove(marker)
-        for item in self.client.walk(directory):
-            if not item.is_dir:
-                self.client.remove(item.path)
+        try:
+            files = [item.path for item in self.client.walk(directory) if not item.is_dir and item.path != marker]
+        except PathNotFound:
+            files = []
+        for item in [marker, *files]:
+            with contextlib.suppress(PathNotFound):
+                self.client.remove(item)
         self._remove_local_dirs(directory)
 
     def _remove_local_dirs(self, directory: str) -> None:
@@ -417,10 +467,22 @@ class Checkpoints:
 def save(obj: object, path: str | os.PathLike[str], *, sync: bool = False) -> None:
     """`torch.save` to a gpufeed path: written whole or not at all (write-back; `sync=True` waits
     for the upload)."""
-    with gpufeed.open(_path(path), "wb", sync=sync) as raw:
+    with gpufeed.open(_path(path), "wb", sync=sync) as raw, _staging_failures(raw):
         stream = io.BufferedWriter(raw, WRITE_BUFFER)
         torch.save(obj, stream)
         stream.flush()
+
+
+@contextlib.contextmanager
+def _staging_failures(raw: Any) -> Iterator[None]:
+    """torch.save's zip writer turns a failed write into `RuntimeError: unexpected pos`: the
+    write's own error (a full staging disk, named) is raised in its place."""
+    try:
+        yield
+    except RuntimeError:
+        if getattr(raw, "failure", None) is not None:
+            raise raw.failure from None
+        raise
 
 
 @contextlib.contextmanager
