@@ -99,6 +99,8 @@ def test_status_shows_gpus_leases_queue_and_teams(cluster: Cluster) -> None:
 def test_bad_input_is_one_clear_line(cluster: Cluster) -> None:
     cases = [
         (["--gpu", "0"], 2, "--gpu 0: expected a share > 0"),
+        (["--gpu", "nan"], 2, "--gpu nan: expected a share > 0"),
+        (["--address", cluster.address, "--gpu", "0.00001"], 2, "--gpu 1e-05: a share is counted in steps of 0.0001"),
         (["--address", cluster.address, "--gpu", "3"], 2, "--gpu 3: no node has 3 GPUs (the most on one node is 1)"),
         (["--address", cluster.address, "--mem", "20GiB"], 2, "--mem 20.0GiB: more than the largest GPU's memory (16.0GiB)"),
         (["--address", f"127.0.0.1:{free_port()}"], 1, "no Ray cluster at 127.0.0.1:"),
@@ -107,6 +109,9 @@ def test_bad_input_is_one_clear_line(cluster: Cluster) -> None:
         done = gpufeed("gpu", "run", *args, "--", "true")
         assert (done.returncode, done.stdout) == (code, ""), done.stderr
         assert done.stderr.startswith(f"gpufeed: error: {message}") and done.stderr.count("\n") == 1, done.stderr
+    missing = gpufeed("gpu", "run", "--address", cluster.address, "--pool", "missing", "--", "/nonexistent/train")
+    assert missing.returncode == 127, "as a shell says a command was not found"
+    assert missing.stderr.endswith("cannot start '/nonexistent/train': No such file or directory (exit 127)\n"), missing.stderr
     typo = gpufeed("gpu", "status", "--address", cluster.address, "--pool", "no-such-pool")
     assert typo.returncode == 1 and typo.stderr.startswith("gpufeed: error: no pool 'no-such-pool' on this Ray cluster"), typo
     with pytest.raises(ValueError):  # a look at a misspelt pool leaves no scheduler of that name behind

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from contextlib import ExitStack
+from dataclasses import asdict
 
 import pytest
 import ray
@@ -109,6 +110,25 @@ def test_an_idle_lease_is_reclaimed_and_freed(cluster: Cluster) -> None:
     assert status("idle")["leases"] == []
 
 
+def test_a_chatty_job_that_ended_is_not_reclaimed_while_its_output_drains(cluster: Cluster) -> None:
+    """Output crossed Ray a line at a time (2,400 lines/s here): the job had long ended, its
+    lease still held, and the watchdog called it idle and the run failed."""
+    scheduler("chatty", idle_timeout=1.0)
+    out = io.BytesIO()
+    outcome = run(["seq", "1", "300000"], Request(0.5), pool="chatty", output=out)
+    assert (outcome.exit_code, outcome.reason) == (0, "")
+    assert out.getvalue() == b"".join(b"%d\n" % n for n in range(1, 300001))
+
+
+def test_a_request_cancelled_as_it_is_granted_frees_its_lease(cluster: Cluster) -> None:
+    """Ctrl-C between the grant and the client's next poll: the lease stayed booked for ever."""
+    sched = scheduler("cancelled")
+    ticket = ray.get(sched.submit.remote(asdict(Request(0.5))))["ticket"]
+    eventually(lambda: status("cancelled")["leases"], "the request to be granted")
+    ray.get(sched.cancel.remote(ticket))
+    assert status("cancelled")["leases"] == []
+
+
 def test_a_busy_job_is_not_idle(cluster: Cluster) -> None:
     scheduler("busy", idle_timeout=1.0)
     spin = "import time\nend = time.time() + 2.5\nwhile time.time() < end: pass\nprint('done')"
@@ -133,6 +153,15 @@ def test_aggregation_across_two_nodes_sets_a_working_ddp_environment(cluster: Cl
     assert outcome.exit_code == 0, out.getvalue()
     assert sorted(out.getvalue().decode().splitlines()) == ["0 2 0 3", "[rank 1] 1 2 0 3"]
     assert len({p["node"] for p in outcome.lease["placements"]}) == 2
+
+
+def test_a_rank_that_fails_stops_the_others(cluster: Cluster) -> None:
+    """As torchrun does: a DDP rank left waiting for a dead peer holds its GPU until NCCL times out."""
+    job = 'if [ "$RANK" = 1 ]; then exit 3; fi; echo waiting; exec sleep 47.25'
+    out = io.BytesIO()
+    outcome = run(["sh", "-c", job], Request(1.0, nodes=2), pool="ranks", output=out, grace=1.0)
+    assert (outcome.exit_code, outcome.reason) == (3, "stopped: rank 1 exited with code 3")
+    assert not running("sleep\x0047.25\x00")
 
 
 class Doubler:

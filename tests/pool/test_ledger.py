@@ -92,6 +92,19 @@ def test_requests_that_can_never_fit_say_why() -> None:
     assert "at most 0.5 GPUs" in (book.check(Request(1, team="small")) or "")
     assert book.check(Request(2, 16 * GIB)) is None
     assert "declares no GPUs" in (Ledger().check(Request(1)) or "")
+    for odd in (float("nan"), float("inf"), float("-inf")):
+        assert "share > 0" in (book.check(Request(odd)) or ""), odd
+    assert "steps of 0.0001" in (book.check(Request(0.00001)) or "")
+    assert book.check(Request(0.0001)) is None and book.check(Request(0.3333)) is None
+
+
+def test_a_multi_node_request_needs_that_many_nodes_each_holding_its_gpus() -> None:
+    """Two GPUs on each of two nodes, where one node has two and another one: never granted,
+    and waiting forever at the head of the queue it kept every later request waiting too."""
+    book = Ledger()
+    book.set_gpus([Gpu("a", 0, 16 * GIB), Gpu("a", 1, 16 * GIB), Gpu("b", 0, 16 * GIB)])
+    assert "--nodes 2 --gpu 2: only 1 node(s) have 2 GPUs" in (book.check(Request(2, nodes=2)) or "")
+    assert book.check(Request(1, nodes=2)) is None and book.check(Request(2)) is None
 
 
 def test_placement_hook_prefers_the_node_with_the_data_cached() -> None:

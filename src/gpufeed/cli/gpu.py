@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -42,14 +43,16 @@ def run(
     from gpufeed.pool.client import run as run_leased
     from gpufeed.pool.ledger import Request
 
-    if gpu <= 0:
+    if not math.isfinite(gpu) or gpu <= 0:
         raise InvalidArgument(f"--gpu {gpu:g}: expected a share > 0 (0.5 is half a GPU, 2 is two GPUs)")
     request = Request(gpu, parse_size(mem, "--mem") if mem else 0, team, priority, nodes, normalize(dataset) if dataset else "")
     connect(address)
     waiting = _Waiting(request, quiet)
     outcome = run_leased(command, request, pool, on_wait=waiting)
     if outcome.reason:
-        raise PoolError(f"lease {outcome.lease['lease_id']}: {outcome.reason} (exit {outcome.exit_code})")
+        stopped = PoolError(f"lease {outcome.lease['lease_id']}: {outcome.reason} (exit {outcome.exit_code})")
+        stopped.exit_code = outcome.exit_code or 1  # the command's own (127: not found, 143: stopped), as a shell's
+        raise stopped
     raise typer.Exit(outcome.exit_code)
 
 

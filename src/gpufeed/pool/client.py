@@ -225,6 +225,22 @@ def run(
             _distributed(ray, runners, envs)
         lock = threading.Lock()
         results: list[dict[str, Any]] = [{} for _ in runners]
+        failed: list[int] = []
+        """Ranks in the order they failed: the first one's exit code is the job's, and the others
+        are stopped then (a DDP rank left waiting for a dead peer holds its GPU until NCCL times out)."""
+
+        def ended(rank: int, result: dict[str, Any]) -> None:
+            with lock:
+                results[rank] = result
+                if not result.get("exit"):
+                    return
+                failed.append(rank)
+                if len(failed) > 1 or len(runners) == 1:
+                    return
+            why = f"stopped: rank {rank} {result.get('reason') or 'exited with code {}'.format(result['exit'])}"
+            for other, runner in enumerate(runners):
+                if other != rank:
+                    runner.stop.remote(why)
 
         def pump(rank: int) -> None:
             prefix = f"[rank {rank}] ".encode() if rank else b""
@@ -232,13 +248,13 @@ def run(
                 for ref in runners[rank].run.remote(argv, envs[rank], os.getcwd(), granted.gpus(granted.nodes[rank])):
                     item = ray.get(ref)
                     if isinstance(item, dict):
-                        results[rank] = item
+                        ended(rank, item)
                         continue
                     with lock:
-                        sink.write(prefix + item)
+                        sink.write(b"".join(prefix + line for line in item.splitlines(keepends=True)) if prefix else item)
                         sink.flush()
             except ray.exceptions.RayError as exc:  # its node was lost, or Ray killed the runner
-                results[rank] = {"exit": 1, "reason": f"rank {rank}'s runner was lost ({type(exc).__name__})"}
+                ended(rank, {"exit": 1, "reason": f"rank {rank}'s runner was lost ({type(exc).__name__})"})
 
         threads = [threading.Thread(target=pump, args=(rank,), daemon=True) for rank in range(1, len(runners))]
         for thread in threads:
@@ -248,9 +264,10 @@ def run(
             thread.join()
         for runner in runners:
             ray.kill(runner)
-    codes = [r.get("exit", 1) for r in results]
-    code = next((c for c in codes if c), 0)
-    return Outcome(128 - code if code < 0 else code, next((r["reason"] for r in results if r.get("reason")), ""), granted.lease)
+    first = results[failed[0]] if failed else {"exit": 0}
+    code = first.get("exit", 1)
+    reason = str(first.get("reason") or next((r["reason"] for r in results if r.get("reason")), ""))
+    return Outcome(128 - code if code < 0 else code, reason, granted.lease)
 
 
 def _distributed(ray: Any, runners: list[Any], envs: list[dict[str, str]]) -> None:

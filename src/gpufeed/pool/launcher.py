@@ -35,6 +35,7 @@ from gpufeed.pool.inventory import MIB
 from gpufeed.pool.reaper import KILL_WAIT_S, POLL_S, end_group
 
 SHIM_DIR = Path(__file__).with_name("shim")
+OUTPUT_CHUNK = 256 << 10
 _PR_SET_PDEATHSIG = 1
 
 
@@ -128,11 +129,13 @@ def release(tell: int) -> None:
 
 
 def output(proc: subprocess.Popen[bytes], grace: float) -> Iterator[bytes]:
-    """The command's output, line by line, until its pipe closes. A process the command started
-    in the background holds the pipe open after the command exits (`sh -c 'tensorboard & train'`):
-    once the command has exited, what is left of its group is ended, so the lease ends with the
-    command, not with its last background job. A process that left the group (setsid) and still
-    holds the pipe is waited for KILL_WAIT_S, then let be."""
+    """The command's output, whole lines gathered up to OUTPUT_CHUNK bytes (each item crosses Ray
+    as an object of its own: one a line made a chatty job's output lag minutes behind it), until
+    its pipe closes. A process the command started in the background holds the pipe open after
+    the command exits (`sh -c 'tensorboard & train'`): once the command has exited, what is left
+    of its group is ended, so the lease ends with the command, not with its last background job.
+    A process that left the group (setsid) and still holds the pipe is waited for KILL_WAIT_S,
+    then let be."""
     assert proc.stdout is not None
     lines: queue.Queue[bytes | None] = queue.Queue()
 
@@ -155,7 +158,18 @@ def output(proc: subprocess.Popen[bytes], grace: float) -> Iterator[bytes]:
             continue
         if line is None:
             return
-        yield line
+        chunk, size = [line], len(line)
+        while size < OUTPUT_CHUNK:
+            try:
+                more = lines.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                yield b"".join(chunk)
+                return
+            chunk.append(more)
+            size += len(more)
+        yield b"".join(chunk)
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float) -> None:

@@ -11,6 +11,7 @@ its team's quota waits without blocking other teams.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from gpufeed.pool.inventory import Gpu
 
 EPSILON = 1e-6
+SHARE_STEPS = 10_000
+"""Ray counts a custom resource in steps of 0.0001: a finer share cannot be asked of it."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +105,10 @@ class Ledger:
 
     def check(self, request: Request) -> str | None:
         """Why `request` can never be granted on this cluster, or None."""
-        if request.share <= 0:
+        if not math.isfinite(request.share) or request.share <= 0:
             return f"--gpu {request.share:g}: expected a share > 0 (0.5 is half a GPU, 2 is two GPUs)"
+        if abs(request.share * SHARE_STEPS - round(request.share * SHARE_STEPS)) > 1e-6:
+            return f"--gpu {request.share:g}: a share is counted in steps of {1 / SHARE_STEPS:g} (Ray's resource precision)"
         if request.share > 1 and request.share != int(request.share):
             return f"--gpu {request.share:g}: above 1 a lease takes whole GPUs (2, not 1.5)"
         if request.nodes < 1:
@@ -118,6 +123,10 @@ class Ledger:
             return f"--gpu {request.share:g}: no node has {request.gpus_per_node} GPUs (the most on one node is {most})"
         if request.nodes > len(per_node):
             return f"--nodes {request.nodes}: the cluster has {len(per_node)} node(s) with GPUs"
+        holding = sum(1 for gpus in per_node.values() if len(gpus) >= request.gpus_per_node)
+        if request.nodes > holding:
+            return (f"--nodes {request.nodes} --gpu {request.share:g}: only {holding} node(s) have {request.gpus_per_node} GPUs"
+                    " (a lease takes the same on each node)")
         biggest = max(g.memory for g in self.gpus.values())
         if request.memory > biggest:
             return f"--mem {_gib(request.memory)}: more than the largest GPU's memory ({_gib(biggest)})"

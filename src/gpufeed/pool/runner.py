@@ -20,7 +20,8 @@ from gpufeed.pool.watchdog import Watchdog
 
 _actor: Any = ray.remote  # Ray's stubs reject concurrency_groups
 
-WATCH = {"watch": 1}
+WATCH = {"watch": 1, "control": 1}
+"""`held` waits in "watch" for the whole job; "control" takes `stop` while `run` streams."""
 
 
 @_actor(num_cpus=0, concurrency_groups=WATCH)
@@ -57,7 +58,9 @@ class JobRunner:
             return
         proc, dog = self.proc, None
         try:
-            dog = Watchdog(proc.pid, [g[0] for g in gpus], max(g[2] for g in gpus), self.idle_timeout, self._report, self.stop)
+            if self.reason:  # stopped (another rank failed) while this one was starting
+                launcher.stop(proc, self.grace)
+            dog = Watchdog(proc.pid, [g[0] for g in gpus], max(g[2] for g in gpus), self.idle_timeout, self._report, self._stop)
             dog.start()
             for line in launcher.output(proc, self.grace):  # noqa: UP028 - a generator Ray streams: no `yield from`
                 yield line
@@ -75,8 +78,13 @@ class JobRunner:
     def _report(self, idle: float, memory_used: int) -> None:
         self.scheduler.report.remote(self.lease_id, idle, memory_used)
 
+    @ray.method(concurrency_group="control")
     def stop(self, reason: str) -> None:
-        """End the command (SIGTERM, then SIGKILL after the grace period), saying why."""
+        """End the command (SIGTERM, then SIGKILL after the grace period), saying why; one not
+        started yet is ended as it starts."""
+        self._stop(reason)
+
+    def _stop(self, reason: str) -> None:
         self.reason = self.reason or reason
         if self.proc is not None:  # its main process may have exited, leaving processes of its group
             launcher.stop(self.proc, self.grace)

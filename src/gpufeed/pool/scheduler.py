@@ -110,8 +110,12 @@ class PoolScheduler:
         self._tick()
 
     async def cancel(self, ticket: int) -> None:
+        """The client gives up on `ticket`: queued, or granted in the moment before it heard so."""
         self.ledger.drop(ticket)
         self.seen.pop(ticket, None)
+        for lease in list(self.ledger.leases.values()):
+            if lease.ticket == ticket and not lease.started_at:
+                self._release(lease.lease_id, "cancelled before it started")
         self._tick()
 
     async def report(self, lease_id: str, idle_seconds: float, memory_used: int = 0) -> None:
@@ -227,6 +231,7 @@ class PoolScheduler:
             if self.ledger.position(ticket) is not None:
                 self.ledger.drop(ticket)
                 self.seen.pop(ticket, None)
+                self.released[ticket] = f"its client was silent for {self.ticket_ttl:g} s (stopped or gone)"
             else:
                 for lease in list(self.ledger.leases.values()):
                     if lease.ticket == ticket and not lease.started_at:

@@ -50,6 +50,15 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total / ticks
 
 
+def _ended(pid: int) -> bool:
+    """The process has exited (a zombie, or reaped already)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 @dataclass
 class IdleMeter:
     """Seconds since the job last looked busy, from successive samples."""
@@ -95,6 +104,8 @@ class Watchdog(threading.Thread):
     def run(self) -> None:
         meter = IdleMeter(time.monotonic())
         while not self.finished.wait(self.interval):
+            if _ended(self.pid):
+                return  # the output still draining to the client is no idleness of the job's
             pids = process_tree(self.pid)
             utilisation = max((inventory.utilisation(i) or 0.0) for i in self.gpus) if self.nvml and self.gpus else None
             idle = meter.sample(time.monotonic(), cpu_seconds(pids), utilisation)
