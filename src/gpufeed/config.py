@@ -174,6 +174,12 @@ class Settings:
     pool_quotas: tuple[tuple[str, float], ...] = ()
     pool_idle_timeout: float = 1800.0
 
+    @property
+    def agent_reply_timeout(self) -> float:
+        """How long a client waits on one agent request (a socket timeout): a fetch may spend two
+        store requests and their retries."""
+        return max(120.0, 2 * self.request_timeout + self.retry_timeout)
+
     @classmethod
     def from_env(cls) -> Settings:
         home = Path(os.environ.get("GPUFEED_HOME") or Path.home() / ".gpufeed").expanduser()

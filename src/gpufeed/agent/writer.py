@@ -61,6 +61,9 @@ RETRY_MAX_S = 30.0
 SYNC_GIVES_UP_AFTER = 3
 """Failed attempts in a row, counted from when a `Sync` (or a write-through commit) began, after
 which it reports an upload as failing instead of waiting on."""
+SYNC_REPLY_MARGIN_S = 15.0
+"""A `Sync` answers this long before its client would give up on the agent and ask again (a store
+that accepts and never answers fails no attempt: each one waits out its timeouts and retries)."""
 
 
 @dataclass
@@ -145,8 +148,7 @@ class Uploads:
         if request.sync:
             await self._wait([upload])
             if not upload.done.is_set():
-                failed = upload.last_error
-                assert failed is not None
+                failed = upload.last_error or errors.WriteError(self._why_waiting(upload)[1])
                 raise type(failed)(
                     f"{upload.path}: written and kept on this node, not in the store yet; its upload is "
                     f"retried in the background ('gpufeed sync' waits for it): {failed}"
@@ -157,7 +159,7 @@ class Uploads:
         prefix = normalize(request.path).rstrip("/") + "/"
         uploads = [u for u in self.pending.values() if (u.path + "/").startswith(prefix) or prefix == "/"]
         await self._wait(uploads)
-        failures = [Failure(u.last_error.code, str(u.last_error)) for u in uploads if not u.done.is_set() and u.last_error]
+        failures = [Failure(*self._why_waiting(u)) for u in uploads if not u.done.is_set()]
         return Synced(len(uploads), failures)
 
     async def remove(self, request: Remove) -> None:
@@ -291,10 +293,19 @@ class Uploads:
         self.pending[upload.upload_id] = upload
         self.by_object[upload.identity] = upload
 
+    def _why_waiting(self, upload: Upload) -> tuple[str, str]:
+        """(code, message) of an upload a `Sync` stopped waiting for."""
+        if upload.last_error is not None:
+            return upload.last_error.code, str(upload.last_error)
+        waited = self.settings.agent_reply_timeout - SYNC_REPLY_MARGIN_S
+        return errors.WriteError.code, f"{upload.path}: no answer from the store to its upload within {waited:.0f} s"
+
     async def _wait(self, uploads: list[Upload]) -> None:
-        """Until each upload is done, or has failed SYNC_GIVES_UP_AFTER more times in a row; one
-        waiting out a backoff tries again at once (the store may be back)."""
+        """Until each upload is done, or has failed SYNC_GIVES_UP_AFTER more times in a row, or
+        until the client is about to give up on this answer; one waiting out a backoff tries again
+        at once (the store may be back)."""
         failed_before = {u.upload_id: u.failures for u in uploads}
+        deadline = time.monotonic() + self.settings.agent_reply_timeout - SYNC_REPLY_MARGIN_S
         for upload in uploads:
             upload.retry.set()
         while True:
@@ -302,7 +313,7 @@ class Uploads:
                 u for u in uploads
                 if not u.done.is_set() and u.failures - failed_before[u.upload_id] < SYNC_GIVES_UP_AFTER
             ]
-            if not waiting:
+            if not waiting or time.monotonic() >= deadline:
                 return
             await asyncio.wait([asyncio.ensure_future(u.done.wait()) for u in waiting], timeout=0.5)
 

@@ -160,7 +160,7 @@ class AgentClient:
         self._dirs_of: AgentInfo | None = None
         self._start_after = 0.0
         self._start_lock = threading.Lock()
-        self.timeout = max(120.0, 2 * settings.request_timeout + settings.retry_timeout)
+        self.timeout = settings.agent_reply_timeout
 
     def _socket(self, start: bool) -> socket.socket:
         sock = getattr(self._local, "sock", None)
