@@ -62,8 +62,9 @@ SYNC_GIVES_UP_AFTER = 3
 """Failed attempts in a row, counted from when a `Sync` (or a write-through commit) began, after
 which it reports an upload as failing instead of waiting on."""
 SYNC_REPLY_MARGIN_S = 15.0
-"""A `Sync` answers this long before its client would give up on the agent and ask again (a store
-that accepts and never answers fails no attempt: each one waits out its timeouts and retries)."""
+"""A `Sync` (or write-through commit) answers this long before its client would give up on the
+agent, with the uploads still under way; the client asks again, failures counted from its first
+ask (asked afresh, a store that needs minutes to fail each try was never given up on)."""
 
 
 @dataclass
@@ -83,6 +84,8 @@ class Upload:
     """Set by a `Sync`: the upload tries again now instead of at the end of its backoff."""
     failures: int = 0
     """Failed attempts in a row."""
+    failed_at: list[float] = field(default_factory=list)
+    """Wall-clock times of the latest failed attempts in a row (SYNC_GIVES_UP_AFTER at most)."""
     last_error: errors.GpufeedError | None = None
     task: asyncio.Task[None] | None = None
 
@@ -146,9 +149,11 @@ class Uploads:
         self._start(upload)
         self.metrics.count("writes")
         if request.sync:
-            await self._wait([upload])
-            if not upload.done.is_set():
-                failed = upload.last_error or errors.WriteError(self._why_waiting(upload)[1])
+            started = time.time()
+            await self._wait([upload], started)
+            if not upload.done.is_set() and self._given_up(upload, started):
+                failed = upload.last_error
+                assert failed is not None
                 raise type(failed)(
                     f"{upload.path}: written and kept on this node, not in the store yet; its upload is "
                     f"retried in the background ('gpufeed sync' waits for it): {failed}"
@@ -158,9 +163,12 @@ class Uploads:
     async def sync(self, request: Sync) -> Synced:
         prefix = normalize(request.path).rstrip("/") + "/"
         uploads = [u for u in self.pending.values() if (u.path + "/").startswith(prefix) or prefix == "/"]
-        await self._wait(uploads)
-        failures = [Failure(*self._why_waiting(u)) for u in uploads if not u.done.is_set()]
-        return Synced(len(uploads), failures)
+        since = request.since or time.time()
+        await self._wait(uploads, since)
+        failures = [Failure(u.last_error.code, str(u.last_error)) for u in uploads  # type: ignore[union-attr]
+                    if not u.done.is_set() and self._given_up(u, since)]
+        pending = sum(1 for u in uploads if not u.done.is_set() and not self._given_up(u, since))
+        return Synced(len(uploads), failures, pending)
 
     async def remove(self, request: Remove) -> None:
         upload = self.by_object.get((source_identity(request.source.url, request.source.options), request.key))
@@ -238,6 +246,7 @@ class Uploads:
                 break
             except errors.GpufeedError as exc:
                 upload.failures += 1
+                upload.failed_at = [*upload.failed_at[1 - SYNC_GIVES_UP_AFTER :], time.time()]
                 upload.last_error = exc
                 if upload.failures == 1 or upload.failures % 10 == 0:
                     log.warning("upload of %s failed (attempt %d, retrying in %.1f s): %s", upload.path, upload.failures,
@@ -293,29 +302,28 @@ class Uploads:
         self.pending[upload.upload_id] = upload
         self.by_object[upload.identity] = upload
 
-    def _why_waiting(self, upload: Upload) -> tuple[str, str]:
-        """(code, message) of an upload a `Sync` stopped waiting for."""
-        if upload.last_error is not None:
-            return upload.last_error.code, str(upload.last_error)
-        waited = self.settings.agent_reply_timeout - SYNC_REPLY_MARGIN_S
-        return errors.WriteError.code, f"{upload.path}: no answer from the store to its upload within {waited:.0f} s"
+    @staticmethod
+    def _given_up(upload: Upload, since: float) -> bool:
+        """The upload failed SYNC_GIVES_UP_AFTER times in a row since `since`."""
+        return upload.last_error is not None and sum(1 for t in upload.failed_at if t >= since) >= SYNC_GIVES_UP_AFTER
 
-    async def _wait(self, uploads: list[Upload]) -> None:
-        """Until each upload is done, or has failed SYNC_GIVES_UP_AFTER more times in a row, or
-        until the client is about to give up on this answer; one waiting out a backoff tries again
-        at once (the store may be back)."""
-        failed_before = {u.upload_id: u.failures for u in uploads}
+    async def _wait(self, uploads: list[Upload], since: float) -> None:
+        """Until each upload is done or given up on (failures since `since`), or until the client
+        is about to give up on this answer; one waiting out a backoff tries again at once (the
+        store may be back)."""
         deadline = time.monotonic() + self.settings.agent_reply_timeout - SYNC_REPLY_MARGIN_S
         for upload in uploads:
             upload.retry.set()
-        while True:
-            waiting = [
-                u for u in uploads
-                if not u.done.is_set() and u.failures - failed_before[u.upload_id] < SYNC_GIVES_UP_AFTER
-            ]
-            if not waiting or time.monotonic() >= deadline:
-                return
-            await asyncio.wait([asyncio.ensure_future(u.done.wait()) for u in waiting], timeout=0.5)
+        done = {u.upload_id: asyncio.ensure_future(u.done.wait()) for u in uploads}
+        try:
+            while True:
+                waiting = [u for u in uploads if not u.done.is_set() and not self._given_up(u, since)]
+                if not waiting or time.monotonic() >= deadline:
+                    return
+                await asyncio.wait([done[u.upload_id] for u in waiting], timeout=0.5)
+        finally:
+            for waiter in done.values():
+                waiter.cancel()
 
     # -- files and metadata (run in threads) ----------------------------------------------
 

@@ -395,13 +395,16 @@ class Client:
         with FeedWriter(self, arguments.path(path, "write"), sync=sync) as f:
             f.write(data)
 
-    def sync(self, path: str | os.PathLike[str] = "/") -> int:
+    def sync(self, path: str | os.PathLike[str] = "/", since: float = 0.0) -> int:
         """Wait until every write under `path` this node committed is in its store; returns how
-        many uploads were waited for. Uploads that keep failing raise WriteError naming them
-        (they stay staged and are retried)."""
+        many uploads were waited for. Uploads that keep failing (since `since`, wall-clock;
+        0: now) raise WriteError naming them (they stay staged and are retried)."""
         path = arguments.path(path, "sync")
         self.namespace.resolve(path)  # PathNotFound for a path no mount holds: nothing would be waited for
-        synced = self.agent.request(Sync(path), Synced)
+        since = since or time.time()
+        synced = self.agent.request(Sync(path, since), Synced)
+        while synced.pending and not synced.failures:  # the agent answers before this request times out
+            synced = self.agent.request(Sync(path, since), Synced)
         if synced.failures:
             first = synced.failures[0]
             more = f" (and {len(synced.failures) - 1} more)" if len(synced.failures) > 1 else ""

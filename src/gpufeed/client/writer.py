@@ -15,6 +15,7 @@ import errno
 import hashlib
 import io
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from gpufeed.cache.layout import writer_file
@@ -97,8 +98,11 @@ class FeedWriter(io.RawIOBase):
                 SourceSpec(mount.url, options), mount.path, self.where.key, self._staged.name, self._size,
                 self._hash.hexdigest(), self.sync, Credentials(caller_credentials(mount.url, options)),
             )
+            started = time.time()
             self.committed = self._client.agent.request(request, Committed)
             self._client.forget(self.path)
+            if self.sync and not self.committed.uploaded:  # still under way when the agent answered
+                self._client.sync(self.path, since=started)
         except BaseException:
             self._abort()
             raise

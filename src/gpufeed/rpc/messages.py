@@ -178,6 +178,9 @@ class Sync(msgspec.Struct, tag="sync"):
     """Wait until every upload under the namespace path `path` ("/": all) is in its store."""
 
     path: str
+    since: float = 0.0
+    """Wall-clock time the caller began waiting (0: now): failures from then on count, across the
+    Syncs it sends again while uploads are still under way (`Synced.pending`)."""
 
 
 class Remove(msgspec.Struct, tag="remove"):
@@ -321,6 +324,8 @@ class Synced(msgspec.Struct, tag="synced"):
     """Uploads waited for."""
     failures: list[Failure]
     """Uploads that failed and are still retried (their staged bytes are kept), one per object."""
+    pending: int = 0
+    """Uploads still under way when the agent answered (before the client's timeout): ask again."""
 
 
 Reply = AgentInfo | Fetched | RangeBytes | Queued | Cleared | Done | Refused | MetricsText | UsageInfo | Committed | Synced
