@@ -88,19 +88,19 @@ def test_dcp_saves_commit_last_keep_the_last_n_and_restore_from_this_nodes_cache
 
 
 def test_pruning_from_a_local_dir_leaves_no_empty_step_dirs(tmp_path: Path) -> None:
-    """A local dir store keeps the dirs its files were in; a pruned step's go with it, and a
-    file someone else put in a step dir stays, with its dir."""
+    """A local dir store keeps the dirs its files were in; a pruned step's go with it, whole:
+    a file put in a step dir by hand is the step's too, as a checkpoint manager's step dir is
+    (Orbax removes it whole)."""
     (tmp_path / "ckpt").mkdir()
     Namespace().add_mount("/local", f"file://{tmp_path / 'ckpt'}", writable=True, allow_empty=True)
     checkpoints = gpufeed.torch.Checkpoints("/local/run", keep_last=2)
     for step in range(1, 5):
         checkpoints.save(state(step), step)
     gpufeed.sync()
-    (tmp_path / "ckpt" / "run" / "step-00000003" / "notes.txt").write_text("kept by hand")
+    (tmp_path / "ckpt" / "run" / "step-00000003" / "notes.txt").write_text("put there by hand")
     checkpoints.save(state(5), 5)  # prunes step 3
     assert [c.step for c in checkpoints.list()] == [4, 5]
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "run").iterdir()) == ["step-00000003", "step-00000004", "step-00000005"]
-    assert [p.name for p in (tmp_path / "ckpt" / "run" / "step-00000003").iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run").iterdir()) == ["step-00000004", "step-00000005"]
 
 
 def test_a_new_model_and_optimizer_resume_with_the_optimizers_state(out: Bucket) -> None:
@@ -202,6 +202,37 @@ def test_a_save_below_a_newer_checkpoint_warns_and_the_newer_one_can_be_removed(
     assert [c.step for c in rolled.list()] == [10, 20, 21] and keys(out, "rolled/step-00000030") == []
     loaded = zeros_like(state(21))
     assert rolled.load(loaded) == 21 and same(loaded, state(21))
+
+
+OTHER_NODE = """
+import sys, torch, gpufeed.torch
+from tests.writes.checkpoint_saver import state
+checkpoints = gpufeed.torch.Checkpoints("/out/nodes")
+print([c.step for c in checkpoints.list()])
+loaded = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state(int(sys.argv[1])).items()}
+step = checkpoints.load(loaded)
+print(step, all(torch.equal(loaded[k], v) for k, v in state(step).items() if isinstance(v, torch.Tensor)))
+"""
+
+
+def test_another_node_without_a_shared_manifest_resumes_from_the_newest_checkpoint(out: Bucket, tmp_path: Path) -> None:
+    """A node that listed the mount before the checkpoints were saved read them as none: a
+    silent fresh start after a node failure; then, once pruned elsewhere, as steps whose files are gone."""
+    env = {**os.environ, "GPUFEED_HOME": str(tmp_path / "other-node"), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}",
+           "PYTHONWARNINGS": "ignore"}
+    added = subprocess.run([sys.executable, "-m", "gpufeed", "mount", "add", "/out", out.url, "--opt",
+                            f"endpoint={out.endpoint}", "--writable", "--allow-empty"], env=env, capture_output=True, text=True)
+    assert added.returncode == 0, added.stderr
+    checkpoints = gpufeed.torch.Checkpoints("/out/nodes", keep_last=2)
+    try:
+        for expected, steps in (("[1, 2]\n2 True\n", (1, 2)), ("[3, 4]\n4 True\n", (3, 4))):
+            for step in steps:
+                checkpoints.save(state(step), step)
+            other = subprocess.run([sys.executable, "-c", OTHER_NODE, str(steps[-1])], env=env, cwd=ROOT,
+                                   capture_output=True, text=True, timeout=120)
+            assert (other.returncode, other.stdout) == (0, expected), other.stderr[-2000:]
+    finally:
+        subprocess.run([sys.executable, "-m", "gpufeed", "agent", "stop"], env=env, capture_output=True)
 
 
 def test_torch_save_and_load_through_a_gpufeed_path(out: Bucket) -> None:

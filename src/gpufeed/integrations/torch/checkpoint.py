@@ -59,6 +59,7 @@ from torch.futures import Future as TorchFuture
 
 import gpufeed
 from gpufeed.client import Client
+from gpufeed.client.writer import FeedWriter
 from gpufeed.errors import GpufeedError, InvalidArgument, PathNotFound
 from gpufeed.mount_options import source_options
 from gpufeed.sources import open_source
@@ -91,14 +92,14 @@ class NamespaceFiles(FileSystemBase):
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         if mode == "wb":
-            with self.client.open(_path(path), "wb") as raw, _staging_failures(raw):
+            with FeedWriter(self.client, _path(path)) as raw, _staging_failures(raw):
                 stream = io.BufferedWriter(raw, WRITE_BUFFER)
                 yield stream
                 if not stream.closed:
                     stream.flush()  # DCP closes it (a commit) itself; a caller that did not is committed here
         elif mode == "rb":
-            with self.client.open(_path(path), "rb") as raw:
-                yield io.BufferedReader(raw, READ_BUFFER)
+            with self.client.open(_path(path), "rb") as readable:
+                yield io.BufferedReader(readable, READ_BUFFER)
         else:
             raise InvalidArgument(f"{path}: mode {mode!r}: checkpoints are written 'wb' and read 'rb'")
 
@@ -291,7 +292,7 @@ class Checkpoints:
     def list(self) -> list[Checkpoint]:
         """Complete checkpoints, oldest first; a directory without `.metadata` is not one. A root
         no mount holds is an error, not an empty list: a typo would restart training from scratch."""
-        self.client.namespace.resolve(self.root)
+        self._relist()
         try:
             entries = self.client.ls(self.root)
         except PathNotFound:
@@ -302,6 +303,33 @@ class Checkpoints:
             if entry.is_dir and match and self._complete(entry.path):
                 found.append(Checkpoint(int(match.group(1)), entry.path))
         return sorted(found, key=lambda c: c.step)
+
+    def _relist(self) -> None:
+        """Add to this node's manifest the root's files it lacks, and drop those gone from the
+        store (one listing of the root): checkpoints another node saved or pruned since this
+        node listed the mount (without a shared manifest) would otherwise read as a fresh start,
+        or as steps whose files are gone. A file it knows keeps the version it knows (one changed
+        since fails its read as changed, never mixes into a checkpoint), and this node's uploads
+        still under way (no ETag yet) stay. A store that cannot be listed leaves the manifest as
+        it is, with a warning."""
+        namespace = self.client.namespace
+        where = namespace.resolve(self.root)  # PathNotFound for a root no mount holds
+        if where is None:
+            return
+        mount, prefix = where.mount, where.key
+        try:
+            source = open_source(posixpath.join(mount.url, prefix) if prefix else mount.url, source_options(mount),
+                                 self.client.settings)
+            stored = {posixpath.join(prefix, info.key): info for batch in source.list() for info in batch}
+            known = {entry.key: entry.object_info() for entry in namespace.engine.walk(mount.generation, prefix)}
+            for key, info in stored.items():
+                if key not in known:  # one known keeps its version: changed since, its read says so
+                    namespace.record_written(mount.path, dataclasses.replace(info, key=key))
+            for key, info in known.items():
+                if key not in stored and info.etag is not None:
+                    namespace.record_removed(mount.path, key)
+        except GpufeedError as exc:
+            log.warning("%s: checkpoints listed as this node last saw them: %s", self.root, exc)
 
     def latest(self) -> Checkpoint | None:
         complete = self.list()
@@ -351,24 +379,28 @@ class Checkpoints:
         return future
 
     def _begin(self, step: int) -> None:
+        """`step` is being saved: prunes leave it alone until `_end`. The first save of this
+        object, on rank 0, warns when a newer complete step is there."""
         with self._pruning:
-            self._saving.add(step)
             first, self._saved_before = not self._saved_before, True
-        newer = [c.step for c in self.list() if c.step > step] if first else []
+        newer = [c.step for c in self.list() if c.step > step] if first and _rank_zero() else []
         if newer:  # a run rolled back to an earlier step: the diverged one would win every resume
             log.warning(
                 "%s: saving step %d where step %d is complete (a run this one rolled back from?): load() resumes from "
                 "the highest step%s; Checkpoints.remove(step) the newer ones if that run is abandoned",
                 self.root, step, newer[-1], " and keep_last keeps the highest" if self.keep_last else "",
             )
+        with self._pruning:
+            self._saving.add(step)
 
     def _end(self, step: int) -> None:
+        """The save of `step` is over (complete, or failed): its own prune, which follows, may take it."""
         with self._pruning:
             self._saving.discard(step)
 
     def _prune_after_save(self) -> None:
         """One rank prunes (rank 0): every rank removing the same files would race the others."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        if _rank_zero():
             self.prune()
 
     def load(self, state_dict: dict[str, Any], step: int | None = None, **reader: Any) -> int | None:
@@ -416,8 +448,11 @@ class Checkpoints:
 
     def remove(self, step: int) -> None:
         """Remove checkpoint `step` (its commit marker first), complete or not."""
+        path = self.path(step)
+        if not any(entry.path == path for entry in self.client.ls(self.root)):
+            raise PathNotFound(f"{path}: no such checkpoint")
         with self._pruning:
-            self._remove(self.path(step))
+            self._remove(path)
 
     def _group(self) -> dist.ProcessGroup | None:
         """A gloo group of its own for the saves' collectives: an async save gathers plans from a
@@ -474,15 +509,19 @@ def save(obj: object, path: str | os.PathLike[str], *, sync: bool = False) -> No
 
 
 @contextlib.contextmanager
-def _staging_failures(raw: Any) -> Iterator[None]:
+def _staging_failures(raw: FeedWriter) -> Iterator[None]:
     """torch.save's zip writer turns a failed write into `RuntimeError: unexpected pos`: the
     write's own error (a full staging disk, named) is raised in its place."""
     try:
         yield
     except RuntimeError:
-        if getattr(raw, "failure", None) is not None:
+        if raw.failure is not None:
             raise raw.failure from None
         raise
+
+
+def _rank_zero() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 @contextlib.contextmanager
