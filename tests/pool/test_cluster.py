@@ -113,7 +113,7 @@ def test_an_idle_lease_is_reclaimed_and_freed(cluster: Cluster) -> None:
 def test_a_chatty_job_that_ended_is_not_reclaimed_while_its_output_drains(cluster: Cluster) -> None:
     """Output crossed Ray a line at a time (2,400 lines/s here): the job had long ended, its
     lease still held, and the watchdog called it idle and the run failed."""
-    scheduler("chatty", idle_timeout=1.0)
+    scheduler("chatty", idle_timeout=2.0)
     out = io.BytesIO()
     outcome = run(["seq", "1", "300000"], Request(0.5), pool="chatty", output=out)
     assert (outcome.exit_code, outcome.reason) == (0, "")
@@ -160,7 +160,7 @@ def test_a_rank_that_fails_stops_the_others(cluster: Cluster) -> None:
     job = 'if [ "$RANK" = 1 ]; then exit 3; fi; echo waiting; exec sleep 47.25'
     out = io.BytesIO()
     outcome = run(["sh", "-c", job], Request(1.0, nodes=2), pool="ranks", output=out, grace=1.0)
-    assert (outcome.exit_code, outcome.reason) == (3, "stopped: rank 1 exited with code 3")
+    assert (outcome.exit_code, outcome.reason) == (3, "stopped: rank 1 failed (exited with code 3)")
     assert not running("sleep\x0047.25\x00")
 
 

@@ -95,6 +95,7 @@ def test_requests_that_can_never_fit_say_why() -> None:
     for odd in (float("nan"), float("inf"), float("-inf")):
         assert "share > 0" in (book.check(Request(odd)) or ""), odd
     assert "steps of 0.0001" in (book.check(Request(0.00001)) or "")
+    assert "no node has" in (book.check(Request(1e305)) or ""), "not an OverflowError"
     assert book.check(Request(0.0001)) is None and book.check(Request(0.3333)) is None
 
 

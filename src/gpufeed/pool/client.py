@@ -237,9 +237,9 @@ def run(
                 failed.append(rank)
                 if len(failed) > 1 or len(runners) == 1:
                     return
-            why = f"stopped: rank {rank} {result.get('reason') or 'exited with code {}'.format(result['exit'])}"
+            why = f"stopped: rank {rank} failed ({result.get('reason') or _exit_text(result['exit'])})"
             for other, runner in enumerate(runners):
-                if other != rank:
+                if other != rank and not results[other]:
                     runner.stop.remote(why)
 
         def pump(rank: int) -> None:
@@ -251,7 +251,7 @@ def run(
                         ended(rank, item)
                         continue
                     with lock:
-                        sink.write(b"".join(prefix + line for line in item.splitlines(keepends=True)) if prefix else item)
+                        sink.write(_prefixed(prefix, item))
                         sink.flush()
             except ray.exceptions.RayError as exc:  # its node was lost, or Ray killed the runner
                 ended(rank, {"exit": 1, "reason": f"rank {rank}'s runner was lost ({type(exc).__name__})"})
@@ -262,12 +262,29 @@ def run(
         pump(0)
         for thread in threads:
             thread.join()
+        for rank, result in enumerate(results):
+            if not result:  # its pump failed on something else (the output it wrote to)
+                ended(rank, {"exit": 1, "reason": f"rank {rank}'s output was lost"})
         for runner in runners:
             ray.kill(runner)
     first = results[failed[0]] if failed else {"exit": 0}
     code = first.get("exit", 1)
     reason = str(first.get("reason") or next((r["reason"] for r in results if r.get("reason")), ""))
     return Outcome(128 - code if code < 0 else code, reason, granted.lease)
+
+
+def _prefixed(prefix: bytes, chunk: bytes) -> bytes:
+    """Each line of `chunk` behind `prefix` (lines end at newlines only: a progress bar's
+    carriage returns stay in its line)."""
+    if not prefix:
+        return chunk
+    lines = chunk.split(b"\n")
+    last = lines.pop()  # what follows the last newline: nothing, for a chunk of whole lines
+    return b"".join(prefix + line + b"\n" for line in lines) + (prefix + last if last else b"")
+
+
+def _exit_text(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
 def _distributed(ray: Any, runners: list[Any], envs: list[dict[str, str]]) -> None:

@@ -129,8 +129,8 @@ def release(tell: int) -> None:
 
 
 def output(proc: subprocess.Popen[bytes], grace: float) -> Iterator[bytes]:
-    """The command's output, whole lines gathered up to OUTPUT_CHUNK bytes (each item crosses Ray
-    as an object of its own: one a line made a chatty job's output lag minutes behind it), until
+    """The command's output, whole lines gathered up to about OUTPUT_CHUNK bytes (each item crosses
+    Ray as an object of its own: one a line made a chatty job's output lag minutes behind it), until
     its pipe closes. A process the command started in the background holds the pipe open after
     the command exits (`sh -c 'tensorboard & train'`): once the command has exited, what is left
     of its group is ended, so the lease ends with the command, not with its last background job.
@@ -140,20 +140,29 @@ def output(proc: subprocess.Popen[bytes], grace: float) -> Iterator[bytes]:
     lines: queue.Queue[bytes | None] = queue.Queue()
 
     def pump(stdout: IO[bytes]) -> None:
-        for line in iter(stdout.readline, b""):
-            lines.put(line)
+        """Whole lines, read in bulk (a job blocked writing to a pipe drained a line at a time
+        uses no CPU, and would look idle); a line longer than OUTPUT_CHUNK goes in pieces."""
+        rest = b""
+        while data := os.read(stdout.fileno(), OUTPUT_CHUNK):
+            data = rest + data
+            cut = data.rfind(b"\n") + 1 or (len(data) if len(data) >= OUTPUT_CHUNK else 0)
+            if cut:
+                lines.put(data[:cut])
+            rest = data[cut:]
+        if rest:
+            lines.put(rest)
         lines.put(None)
 
     threading.Thread(target=pump, args=(proc.stdout,), name="gpufeed-job-output", daemon=True).start()
     ended_at = None
     while True:
+        if ended_at is None and proc.poll() is not None:  # each turn: a background job may never fall silent
+            stop(proc, grace)
+            ended_at = time.monotonic()
         try:
             line = lines.get(timeout=POLL_S)
         except queue.Empty:
-            if ended_at is None and proc.poll() is not None:
-                stop(proc, grace)
-                ended_at = time.monotonic()
-            elif ended_at is not None and time.monotonic() - ended_at > KILL_WAIT_S:
+            if ended_at is not None and time.monotonic() - ended_at > KILL_WAIT_S:
                 return
             continue
         if line is None:

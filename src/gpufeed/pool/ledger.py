@@ -107,10 +107,10 @@ class Ledger:
         """Why `request` can never be granted on this cluster, or None."""
         if not math.isfinite(request.share) or request.share <= 0:
             return f"--gpu {request.share:g}: expected a share > 0 (0.5 is half a GPU, 2 is two GPUs)"
-        if abs(request.share * SHARE_STEPS - round(request.share * SHARE_STEPS)) > 1e-6:
-            return f"--gpu {request.share:g}: a share is counted in steps of {1 / SHARE_STEPS:g} (Ray's resource precision)"
-        if request.share > 1 and request.share != int(request.share):
+        if request.share > 1 and not float(request.share).is_integer():
             return f"--gpu {request.share:g}: above 1 a lease takes whole GPUs (2, not 1.5)"
+        if request.share < 1 and abs(request.share * SHARE_STEPS - round(request.share * SHARE_STEPS)) > 1e-6:
+            return f"--gpu {request.share:g}: a share is counted in steps of {1 / SHARE_STEPS:g} (Ray's resource precision)"
         if request.nodes < 1:
             return f"--nodes {request.nodes}: expected at least 1"
         if not self.gpus:
@@ -123,13 +123,14 @@ class Ledger:
             return f"--gpu {request.share:g}: no node has {request.gpus_per_node} GPUs (the most on one node is {most})"
         if request.nodes > len(per_node):
             return f"--nodes {request.nodes}: the cluster has {len(per_node)} node(s) with GPUs"
-        holding = sum(1 for gpus in per_node.values() if len(gpus) >= request.gpus_per_node)
-        if request.nodes > holding:
-            return (f"--nodes {request.nodes} --gpu {request.share:g}: only {holding} node(s) have {request.gpus_per_node} GPUs"
-                    " (a lease takes the same on each node)")
         biggest = max(g.memory for g in self.gpus.values())
         if request.memory > biggest:
             return f"--mem {_gib(request.memory)}: more than the largest GPU's memory ({_gib(biggest)})"
+        holding = sum(1 for gpus in per_node.values() if sum(g.memory >= request.memory for g in gpus) >= request.gpus_per_node)
+        if request.nodes > holding:
+            memory = f" of {_gib(request.memory)}" if request.memory else ""
+            return (f"--nodes {request.nodes} --gpu {request.share:g}: only {holding} node(s) have {request.gpus_per_node} "
+                    f"GPUs{memory} (a lease takes the same on each node)")
         team_quota = self.quotas.get(request.team)
         if team_quota is not None and request.gpu_total > team_quota + EPSILON:
             return f"--gpu {request.share:g}: team {request.team!r} may use at most {team_quota:g} GPUs"

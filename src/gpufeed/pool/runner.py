@@ -20,11 +20,12 @@ from gpufeed.pool.watchdog import Watchdog
 
 _actor: Any = ray.remote  # Ray's stubs reject concurrency_groups
 
-WATCH = {"watch": 1, "control": 1}
+JOB_GROUPS = {"watch": 1, "control": 1}
 """`held` waits in "watch" for the whole job; "control" takes `stop` while `run` streams."""
+HOSTED_GROUPS = {"watch": 1}
 
 
-@_actor(num_cpus=0, concurrency_groups=WATCH)
+@_actor(num_cpus=0, concurrency_groups=JOB_GROUPS)
 class JobRunner:
     """Runs one command for one lease on this node and streams its output back."""
 
@@ -45,14 +46,17 @@ class JobRunner:
 
     def run(self, argv: list[str], env: dict[str, str], cwd: str, gpus: list[tuple[int, float, int, int]]) -> Iterator[Any]:
         """Runs `argv` in `env` plus the lease on this node's `gpus` (index, share, leased bytes, GPU
-        bytes each); yields its output line by line, then `{"exit": code, "reason": why stopped}`."""
+        bytes each); yields its output in chunks of whole lines, then `{"exit": code, "reason": why stopped}`."""
         env = env | launcher.lease_env(gpus, env.get("PYTHONPATH", ""))
-        tell = launcher.guard(self.grace)
+        tell = None
         try:
+            tell = launcher.guard(self.grace)
             self.proc = launcher.spawn(argv, env, cwd, tell)
-        except OSError as exc:
-            launcher.release(tell)
-            self.reason = f"cannot start {argv[0]!r}: {exc.strerror or exc}"
+        except Exception as exc:  # no such command, a NUL in its arguments, no reaper: the job ends here
+            if tell is not None:
+                launcher.release(tell)
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            self.reason = f"cannot start {argv[0]!r}: {why}"
             self.done.set()
             yield {"exit": 127, "reason": self.reason}
             return
@@ -85,6 +89,8 @@ class JobRunner:
         self._stop(reason)
 
     def _stop(self, reason: str) -> None:
+        if self.done.is_set():
+            return  # ended and reaped: its group id may be another's by now
         self.reason = self.reason or reason
         if self.proc is not None:  # its main process may have exited, leaving processes of its group
             launcher.stop(self.proc, self.grace)
@@ -96,7 +102,7 @@ class JobRunner:
         return self.reason
 
 
-@_actor(num_cpus=0, concurrency_groups=WATCH)
+@_actor(num_cpus=0, concurrency_groups=HOSTED_GROUPS)
 class Hosted:
     """A callable (a function, or a model: any object with `__call__`) kept on a leased GPU."""
 
