@@ -21,7 +21,8 @@ from gpufeed.integrations.torch import (
     epoch_permutation,
     rank_and_world,
 )
-from gpufeed.integrations.torch.checkpoint import Checkpoint, Checkpoints, GpufeedReader, GpufeedWriter, load, save
+from gpufeed.integrations.torch.checkpoint import GpufeedReader, GpufeedWriter, load, save
+from gpufeed.integrations.torch.checkpoint_dir import Checkpoint, Checkpoints
 
 __all__ = [
     "Checkpoint",

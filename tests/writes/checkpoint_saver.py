@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from gpufeed.integrations.torch.checkpoint import Checkpoints
+from gpufeed.integrations.torch.checkpoint_dir import Checkpoints
 
 
 def state(step: int) -> dict[str, object]:
