@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,11 @@ from gpufeed.bench.children import free_port, helper
 from gpufeed.client.connection import stop_agent
 from gpufeed.config import Settings
 from gpufeed.namespace import Namespace
+
+# A suite started in the background by a shell inherits Ctrl-C ignored, and so would every
+# process it starts (an ignored signal stays ignored across exec): the tests of what Ctrl-C does
+# send it to processes that must take it as a user's terminal would.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def need_binary(name: str) -> str:
