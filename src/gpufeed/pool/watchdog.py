@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpufeed.pool import inventory
+from gpufeed.processes import alive
 
 BUSY = 0.01
 
@@ -48,15 +49,6 @@ def cpu_seconds(pids: Sequence[int]) -> float:
             continue
         total += int(fields[11]) + int(fields[12])
     return total / ticks
-
-
-def _ended(pid: int) -> bool:
-    """The process has exited (a zombie, or reaped already)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 @dataclass
@@ -104,7 +96,7 @@ class Watchdog(threading.Thread):
     def run(self) -> None:
         meter = IdleMeter(time.monotonic())
         while not self.finished.wait(self.interval):
-            if _ended(self.pid):
+            if not alive(self.pid):
                 return  # the output still draining to the client is no idleness of the job's
             pids = process_tree(self.pid)
             utilisation = max((inventory.utilisation(i) or 0.0) for i in self.gpus) if self.nvml and self.gpus else None
