@@ -47,6 +47,29 @@ def test_kill_9_of_a_job_frees_its_lease_and_stops_its_command_and_its_children(
                timeout=90)
 
 
+def test_sigterm_of_the_client_stops_the_job_frees_its_lease_and_exits_143(cluster: Cluster) -> None:
+    """A batch scheduler cancelling `gpu run` (Slurm's scancel, a pod's deletion) sends SIGTERM:
+    one line and 143, as a shell's command killed by it; before, Ray's handler printed a C++
+    stack dump and exited 1."""
+    client = subprocess.Popen(
+        [sys.executable, "-m", "gpufeed", "gpu", "run", "--address", cluster.address, "--pool", "term", "--", "sleep", "140.5"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        eventually(lambda: [ls for ls in status("term")["leases"] if ls["started"]], "the job to start", timeout=60)
+        assert eventually(lambda: running("sleep\x00140.5"), "the command to run")
+        client.send_signal(signal.SIGTERM)
+        _, err = client.communicate(timeout=60)
+    finally:
+        client.kill()
+    assert client.returncode == 143
+    assert err.strip() == "gpufeed: error: gpu run: terminated (SIGTERM): the job was stopped and its lease released"
+    eventually(lambda: status("term")["leases"] == [], "the lease to be freed", timeout=30)
+    eventually(lambda: not running("sleep\x00140.5\x00"), "the command to stop", timeout=30)
+
+
 def test_a_job_ends_with_its_command_not_with_its_background_jobs(cluster: Cluster) -> None:
     """A background process holds the output pipe after the command exits (`tensorboard & train`):
     `gpu run` returns with the command's exit code, and the background process ends with the lease."""

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import time
 from typing import Any
 
@@ -47,13 +48,41 @@ def run(
         raise InvalidArgument(f"--gpu {gpu:g}: expected a share > 0 (0.5 is half a GPU, 2 is two GPUs)")
     request = Request(gpu, parse_size(mem, "--mem") if mem else 0, team, priority, nodes, normalize(dataset) if dataset else "")
     connect(address)
+    terminated = _interrupt_on_sigterm()
     waiting = _Waiting(request, quiet)
-    outcome = run_leased(command, request, pool, on_wait=waiting)
+    try:
+        outcome = run_leased(command, request, pool, on_wait=waiting)
+    except KeyboardInterrupt:
+        if terminated:
+            raise _terminated() from None
+        raise
+    if terminated:
+        raise _terminated()
     if outcome.reason:
         stopped = PoolError(f"lease {outcome.lease['lease_id']}: {outcome.reason} (exit {outcome.exit_code})")
         stopped.exit_code = outcome.exit_code or 1  # the command's own (127: not found, 143: stopped), as a shell's
         raise stopped
     raise typer.Exit(outcome.exit_code)
+
+
+def _interrupt_on_sigterm() -> list[int]:
+    """SIGTERM (a batch scheduler cancelling the job, `kill`) ends `gpu run` as Ctrl-C does: the
+    job stopped, the lease released. Ray's connect put its own handler there, which printed a
+    C++ stack dump and exited 1. Returns the list the handler notes the signal in."""
+    received: list[int] = []
+
+    def interrupt(signum: int, frame: Any) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    return received
+
+
+def _terminated() -> PoolError:
+    stopped = PoolError("gpu run: terminated (SIGTERM): the job was stopped and its lease released")
+    stopped.exit_code = 128 + signal.SIGTERM  # as a shell's command killed by it
+    return stopped
 
 
 class _Waiting:
