@@ -20,7 +20,7 @@ import pytest
 from gpufeed.config import Settings
 from gpufeed.errors import ObjectChanged, ObjectMissing, SourceError, SourceUnreachable
 from gpufeed.namespace import Namespace
-from gpufeed.sources import open_source
+from gpufeed.sources import open_source, retry
 from gpufeed.sources.base import ObjectInfo, Source
 from gpufeed.sources.retry import Retryable, RetryPolicy, call
 from tests.conftest import Bucket, HttpServer
@@ -91,6 +91,37 @@ def test_an_attempt_that_cannot_end_before_the_deadline_is_not_made() -> None:
         with pytest.raises(type(error)):
             call(RetryPolicy("somewhere", timeout=1.0, base=0.0), lambda: fails(seconds, error))  # noqa: B023
         assert len(made) == attempts, (seconds, error, "a quick failure, or a slow one of another kind, is retried")
+
+
+def test_a_store_unreachable_through_a_calls_retries_fails_the_next_calls_at_once_until_it_answers(
+    bucket: Bucket, s3_proxy: Flaky, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead store costs one call its retry budget, not every call: a job reading 10,000 files
+    got an error every few seconds, for hours. Tried again once a second (here: when the test
+    says), it answers and every call goes through again."""
+    monkeypatch.setenv("GPUFEED_RETRY_TIMEOUT", "60")
+    bucket.put("obj", DATA)
+    source = s3_source(bucket, s3_proxy)
+    s3_proxy.plan("reset", match="/obj", forever=True)
+    with pytest.raises(SourceUnreachable, match="cannot reach the store"):
+        source.get_range("obj", 0, 4096)
+    assert s3_proxy.count("GET", "/obj") == 5 * 4, "the first call: all its attempts"
+    monkeypatch.setattr(retry, "DOWN_PROBE_S", 3600.0)
+    for _ in range(10):
+        with pytest.raises(SourceUnreachable, match=rf"s3://{bucket.name} .*cannot reach the store \(no answer for"):
+            source.get_range("obj", 0, 4096)
+        with pytest.raises(SourceUnreachable):
+            source.head("obj")
+    assert s3_proxy.count("GET", "/obj") == 20 and s3_proxy.count("HEAD", "/obj") == 0, "the store was not asked"
+    monkeypatch.setattr(retry, "DOWN_PROBE_S", 0.0)
+    with pytest.raises(SourceUnreachable, match="cannot reach the store \\((?!no answer)"):
+        source.get_range("obj", 0, 4096)
+    assert s3_proxy.count("GET", "/obj") == 20 + 4, "tried once, without gpufeed's retries"
+    s3_proxy.plan([], match="/obj")
+    assert bytes(source.get_range("obj", 0, 4096)) == DATA[:4096]
+    monkeypatch.setattr(retry, "DOWN_PROBE_S", 3600.0)
+    s3_proxy.plan(["reset"] * 6, match="/obj")
+    assert bytes(source.get_range("obj", 100, 5000)) == DATA[100:5000], "it answered: retried in full again"
 
 
 def test_backoff_is_jittered_and_capped() -> None:

@@ -7,6 +7,11 @@ page that does not parse, nor bytes that fail a check; and its retries can run o
 minute. This layer retries the whole call above it. A call marks a failure worth retrying by
 raising `Retryable` with the error to raise once retries run out; anything else (not found,
 changed, denied, invalid) passes straight through.
+
+A store that stays unreachable through a call's retries is marked down: until a call reaches it
+again, one call a second tries it once (no retries) and the others fail at once, so a training
+job or `md5sum *` over a dead store gets its errors in moments, not one retry budget per file
+(10,000 uncached files were hours of EIO). A blip shorter than the retry budget marks nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
 
-from gpufeed.errors import SourceUnreachable
+from gpufeed.errors import SourceError, SourceUnreachable
 
 T = TypeVar("T")
 
@@ -27,6 +32,8 @@ log = logging.getLogger("gpufeed")
 
 RETRIED: Counter[str] = Counter()
 """Attempts this process made again after a failure, by kind: the agent exports its own."""
+DOWN_PROBE_S = 1.0
+"""While a source is down, how often a call may try it (once, without retries)."""
 
 
 class Retryable(Exception):
@@ -59,13 +66,34 @@ class RetryPolicy:
         self.cap = cap
         self.rng = rng or random.Random()
         self.warned: set[str] = set()
+        self.down_since: float | None = None
+        """When a call last ran out of retries on an unreachable store, none having reached it since."""
+        self.probed = 0.0
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number `attempt` (1-based)."""
         return self.rng.uniform(0.0, min(self.cap, self.base * 2 ** (attempt - 1)))
 
     def begin(self) -> Attempts:
-        return Attempts(self)
+        """A call's attempts; while the source is down (see the module doc), one attempt, once a
+        second, and SourceUnreachable at once for the calls in between."""
+        if self.down_since is None:
+            return Attempts(self, self.attempts)
+        now = time.monotonic()
+        if now - self.probed < DOWN_PROBE_S:
+            raise SourceUnreachable(
+                f"{self.where}: cannot reach the store (no answer for {now - self.down_since:.0f} s; "
+                f"tried again every {DOWN_PROBE_S:g} s until it answers)"
+            )
+        self.probed = now
+        return Attempts(self, 1)
+
+    def reached(self) -> None:
+        self.down_since = None
+
+    def unreachable(self) -> None:
+        if self.down_since is None:
+            self.down_since = self.probed = time.monotonic()
 
     def note(self, failure: Retryable) -> None:
         """Warn the first time a retry of this source got past this kind of failure; later ones
@@ -85,15 +113,20 @@ class Attempts:
     error; `progress` says an attempt got somewhere: the failures before it are logged and, for
     a long call (a listing), the count restarts."""
 
-    def __init__(self, policy: RetryPolicy) -> None:
+    def __init__(self, policy: RetryPolicy, attempts: int) -> None:
         self.policy = policy
+        self.attempts = attempts
         self.recovered: list[Retryable] = []
-        self.progress()
+        self._restart()
 
     def progress(self) -> None:
+        self.policy.reached()
         for failure in self.recovered:
             self.policy.note(failure)
         self.recovered.clear()
+        self._restart()
+
+    def _restart(self) -> None:
         self.count = 0
         self.started = time.monotonic()
         self.deadline = self.started + self.policy.timeout
@@ -108,8 +141,13 @@ class Attempts:
         delay = self.policy.delay(self.count)
         now = time.monotonic()
         took, self.started = now - self.started, now + delay
-        expected = took if isinstance(failure.error, SourceUnreachable) else 0.0
-        if self.count >= self.policy.attempts or now + delay + expected > self.deadline:
+        unreachable = isinstance(failure.error, SourceUnreachable)
+        if not unreachable:  # it answered, if not well
+            self.policy.reached()
+        expected = took if unreachable else 0.0
+        if self.count >= self.attempts or now + delay + expected > self.deadline:
+            if unreachable:
+                self.policy.unreachable()
             _give_up(failure)
         RETRIED[failure.kind] += 1
         self.recovered.append(failure)
@@ -126,6 +164,12 @@ def _give_up(failure: Retryable) -> NoReturn:
     raise failure.error from failure.__cause__
 
 
+def _answered(policy: RetryPolicy, error: SourceError) -> None:
+    """A final error other than unreachable (not found, denied, changed): the store answered."""
+    if not isinstance(error, SourceUnreachable):
+        policy.reached()
+
+
 def call(policy: RetryPolicy, attempt: Callable[[], T]) -> T:
     """`attempt()` until it returns, retrying what it raises as `Retryable`."""
     attempts = policy.begin()
@@ -134,6 +178,9 @@ def call(policy: RetryPolicy, attempt: Callable[[], T]) -> T:
             result = attempt()
         except Retryable as failure:
             attempts.failed(failure)
+        except SourceError as error:
+            _answered(policy, error)
+            raise
         else:
             attempts.progress()
             return result
@@ -147,6 +194,9 @@ async def call_async(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]]) -
             result = await attempt()
         except Retryable as failure:
             await attempts.failed_async(failure)
+        except SourceError as error:
+            _answered(policy, error)
+            raise
         else:
             attempts.progress()
             return result
