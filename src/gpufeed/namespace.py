@@ -316,7 +316,7 @@ class Namespace:
         if entry is None and (switched := self._switched(where)) is not None:
             where, entry = switched, self._lookup(switched.mount, parent, name)
         if entry is None:
-            raise PathNotFound(f"{path}: no such file in mount {where.mount.path} ({where.mount.url})")
+            raise PathNotFound(f"{path}: no such file or directory in mount {where.mount.path} ({where.mount.url})")
         return entry, where
 
     def stat(self, path: str) -> FileStat:

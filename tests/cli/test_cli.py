@@ -102,7 +102,7 @@ def test_errors_are_one_line_with_exit_codes(dataset: Path, bucket: Bucket, moto
     ok("mount", "add", "/data", f"file://{dataset}")
     ok("mount", "add", "/s3", bucket.url, "-o", f"endpoint={bucket.endpoint}")
     bucket.delete("gone.bin")
-    assert "/data/nope: no such file in mount /data" in fails(1, "stat", "/data/nope")
+    assert "/data/nope: no such file or directory in mount /data" in fails(1, "stat", "/data/nope")
     assert "/elsewhere/x: no mount contains" in fails(1, "cat", "/elsewhere/x")
     assert "/etc/passwd: no mount contains" in fails(1, "cat", "/data/../../etc/passwd")
     assert "/data/\\xff: not valid UTF-8" in fails(2, "ls", "/data/\udcff")  # the byte 0xff, as a shell passes it

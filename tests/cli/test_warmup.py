@@ -38,7 +38,7 @@ def test_warmup_fills_the_cache_and_skips_what_is_cached(dataset: Path) -> None:
     assert "no warmup running" in ok("warmup", "status")
     assert json.loads(ok("warmup", "status", "--json")) == []
     assert "give one or more namespace paths" in fails(2, "warmup")
-    assert "no such file in mount /data" in fails(1, "warmup", "/data/nope")
+    assert "no such file or directory in mount /data" in fails(1, "warmup", "/data/nope")
 
 
 def test_a_warmup_goes_on_when_its_progress_file_cannot_be_written(dataset: Path, gpufeed_home: Path) -> None:

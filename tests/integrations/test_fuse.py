@@ -327,8 +327,10 @@ def test_bad_input_is_one_line(tmp_path: Path, mountpoint: Path) -> None:
     (mountpoint / "x").write_bytes(b"")
     assert "not empty" in fails(1, "fuse", str(mountpoint), "/data")
     (mountpoint / "x").unlink()
-    assert "is a file" in fails(2, "fuse", str(mountpoint), "/data/00000.bin")
+    assert "is a file" in fails(1, "fuse", str(mountpoint), "/data/00000.bin")
+    assert "no such file or directory in mount /data" in fails(1, "fuse", str(mountpoint), "/data/nope")
     assert "no mount contains" in fails(1, "fuse", str(mountpoint), "/elsewhere")
+    assert "Missing argument 'MOUNTPOINT [NSPATH]'" in fails(2, "fuse")
     empty = tmp_path / "bin"
     empty.mkdir()
     assert "fusermount3 not found" in fails(1, "fuse", str(mountpoint), "/data", env={"PATH": str(empty)})

@@ -13,12 +13,14 @@ import typer
 
 from gpufeed.cli.console import out
 from gpufeed.config import Settings
-from gpufeed.errors import InvalidArgument
+from gpufeed.errors import InvalidArgument, NotADirectory
 from gpufeed.integrations import fuse_mounts
 
 
 def fuse(
-    words: list[str] = typer.Argument(..., help="MOUNTPOINT [NSPATH], or 'stop MOUNTPOINT', or 'ls'."),
+    words: list[str] = typer.Argument(
+        ..., metavar="MOUNTPOINT [NSPATH]", help="MOUNTPOINT [NSPATH], or 'stop MOUNTPOINT', or 'ls'.", show_default=False
+    ),
     foreground: bool = typer.Option(False, "--foreground", "-f", help="Serve in this process until unmounted or signalled."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Load the mounted path into the cache in the background."),
     read_ahead: bool = typer.Option(
@@ -60,7 +62,7 @@ def fuse(
         mountpoint = fuse_mounts.check(settings, Path(words[0]))
         client = Client(settings)
         if not client.stat(nspath).is_dir:
-            raise InvalidArgument(f"{nspath}: is a file; mount a directory of the namespace")
+            raise NotADirectory(f"{nspath}: is a file; mount a directory of the namespace")
         if foreground:
             from gpufeed.integrations.fuse import serve  # loads libfuse
 
