@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,11 @@ import gpufeed
 from gpufeed.client import Client
 from gpufeed.client.connection import AgentClient, stop_agent
 from gpufeed.config import Settings
-from gpufeed.errors import ObjectMissing
+from gpufeed.errors import ObjectMissing, PackError
 from gpufeed.meta.base import Entry
 from gpufeed.namespace import Namespace
 from gpufeed.pack import index as idx
+from gpufeed.pack import packer
 from gpufeed.pack.layout import DIR, INDEX_KEY, object_entry
 from gpufeed.pack.members import MemberTable
 from gpufeed.pack.shards import ShardBuffers, ShardTask, write_shard
@@ -221,6 +223,37 @@ def test_a_file_changed_since_its_listing_stops_the_pack_in_one_line(tmp_path: P
     assert not (tmp_path / "p" / INDEX_KEY).exists(), "no index: nothing claims the pack is whole"
 
 
+def test_two_packs_into_one_destination_at_once_fail_the_one_whose_shards_went(
+    tmp_path: Path, dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second pack that starts while the first writes its shards deletes them as stale; the
+    first then must not say "packed" over an index naming shards that are gone."""
+    Namespace().add_mount("/data", f"file://{dataset}")
+    client = Client()
+    url = f"file://{tmp_path}/p"
+    real_run = packer.shards_run
+    second: list[packer.Packed] = []
+    calls = []
+
+    def shards_then_another_pack(*args: Any, **kwargs: Any) -> list[bytes]:
+        written = real_run(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:  # the first pack's shards are written, its index not yet: the second runs whole
+            cats = packer.prepare(client, "/data/train/cats", packer.destination(url, {}, client), shard_size=4096)
+            second.append(packer.pack(client, cats, workers=1))
+        return written
+
+    monkeypatch.setattr(packer, "shards_run", shards_then_another_pack)
+    first = packer.prepare(client, "/data/train", packer.destination(url, {}, client), shard_size=4096)
+    with pytest.raises(PackError, match=r"the pack changed while it was written: \d+ of the shards its index names are gone"):
+        packer.pack(client, first, workers=1)
+    assert second and second[0].removed > 0, "the second pack removed the first's shards as stale"
+    monkeypatch.setattr(packer, "shards_run", real_run)
+    ok("pack", "/data/train", url, "--shard-size", "4KiB")
+    Namespace().add_mount("/packed", url)
+    assert gpufeed.read("/packed/dogs/2.jpg", 0, 2002) == bytes([102]) * 2002
+
+
 def test_a_reused_shard_buffer_keeps_nothing_of_the_shard_before(tmp_path: Path, dataset: Path) -> None:
     Namespace().add_mount("/data", f"file://{dataset}")
     dogs = ["/data/train/dogs/0.jpg", "/data/train/dogs/1.jpg"]  # 2,000 and 2,001 bytes of 100 and 101
@@ -398,3 +431,38 @@ def test_requests_carry_the_sums_of_their_blocks_and_direct_reads_share_chunks(t
     names = [f"/off/{k}" for k in sorted(files)[10:50]]
     assert [sha(bytes(v)) for v in client.read_files(names)] == [sha(files[n.rsplit("/", 1)[1]]) for n in names]
     assert client.direct_bytes < 1.2 * 40 * 100_000, "forty members in a row read as shared chunks"
+
+
+def test_a_killed_pack_takes_its_worker_processes_with_it(tmp_path: Path, dataset: Path) -> None:
+    """Killed (SIGTERM from a scheduler or `timeout`, kill -9), a pack that wrote its shards in
+    worker processes left them waiting for tasks for ever, holding its caller's output open: a
+    CI step reading it hung."""
+    Namespace().add_mount("/data", f"file://{dataset}")
+    out = tmp_path / "out"
+    out.mkdir()
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from gpufeed.pack import shards
+        tasks = [shards.ShardTask(f"s{{n}}", 4096, ["/data/README"], [7], [0], "file://{out}", {{}}) for n in range(20000)]
+        shards._in_processes(tasks, 2, lambda files, size: print("wrote", flush=True))
+        """
+    )
+    marker = f"GPUFEED_TEST_PACK_{os.getpid()}"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, marker: "1"})
+    assert child.stdout is not None and child.stdout.readline() == "wrote\n", "the workers wrote a shard"
+    child.send_signal(signal.SIGKILL)
+    child.communicate(timeout=60)  # the output ends: nothing holds it any more
+    eventually(lambda: not _with_environment(f"{marker}=1"), "the worker processes to exit", seconds=30)
+
+
+def _with_environment(entry: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if entry.encode() in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found

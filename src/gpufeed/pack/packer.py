@@ -174,7 +174,7 @@ def pack(
         raise InvalidArgument(f"--workers {workers}: must be at least 1")
     items, shards, dest, existing = job.items, job.shards, job.dest, job.existing
     if job.up_to_date():
-        return Packed(len(items), job.bytes, len(shards), 0, len(shards), True, INDEX_KEY, _remove_stale(job))
+        return Packed(len(items), job.bytes, len(shards), 0, len(shards), True, INDEX_KEY, _remove_stale(job, existing))
     done = [
         s for s in shards if existing.get(s.key) == s.size and existing.get(sums_key(s.key)) == sums_size(len(s.members), s.size)
     ]
@@ -200,18 +200,38 @@ def pack(
     ]
     chunks = b"".join(sums[shard.number][32 * len(shard.members) :] for shard in shards)
     index = idx.build(job.digest, job.block_size, [(s.key, s.size) for s in shards], rows, chunks)
-    dest.put(INDEX_KEY, idx.encode(index))
-    return Packed(len(items), job.bytes, len(shards), len(todo), len(done), False, INDEX_KEY, _remove_stale(job))
+    encoded = idx.encode(index)
+    dest.put(INDEX_KEY, encoded)
+    present = _published(job, len(encoded))
+    return Packed(len(items), job.bytes, len(shards), len(todo), len(done), False, INDEX_KEY, _remove_stale(job, present))
 
 
-def _remove_stale(job: Plan) -> int:
+def _published(job: Plan, index_size: int) -> dict[str, int]:
+    """The destination once the index is in place, checked to hold that index and every shard
+    it names. Two packs into one destination at once would break each other (each deletes what
+    the other wrote as stale, the last index wins): the loser fails here in one line instead
+    of saying "packed" over a pack missing shards."""
+    present = _existing(job.dest)
+    lost = [s.key for s in job.shards if present.get(s.key) != s.size]
+    if lost or present.get(INDEX_KEY) != index_size:
+        what = f"{len(lost)} of the shards its index names are gone ({lost[0]}...)" if lost else "its index was replaced"
+        raise PackError(
+            f"{job.dest.url}: the pack changed while it was written: {what}; another 'gpufeed pack' into this "
+            "destination at the same time? Run one at a time, then this one again"
+        )
+    return present
+
+
+def _remove_stale(job: Plan, present: dict[str, int]) -> int:
     """Delete the shards (and their digests) at the destination that the published index does
     not name: an earlier pack's, or an interrupted run's over input that changed since. Only
-    after the index is in place, so a crash leaves garbage, never a pack missing a shard. A
-    node that still has the old index mounted reads what it cached, and is told to refresh for
-    the rest."""
+    after the index is in place, so a crash leaves garbage, never a pack missing a shard; and
+    only what was there before this run began and is still there (`present`). A node that
+    still has the old index mounted reads what it cached, and is told to refresh for the rest."""
     named = {key for shard in job.shards for key in (shard.key, sums_key(shard.key))}
-    stale = sorted(key for key in job.existing if key.startswith(SHARDS_DIR + "/") and key not in named)
+    stale = sorted(
+        key for key in job.existing if key.startswith(SHARDS_DIR + "/") and key not in named and key in present
+    )
     job.dest.delete(stale)
     return sum(1 for key in stale if not key.endswith((SUMS_SUFFIX, ".sha256")))  # .sha256: version 1's sums
 

@@ -20,6 +20,7 @@ import mmap
 import multiprocessing
 import os
 import queue
+import select
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -165,13 +166,32 @@ def run(tasks: Sequence[ShardTask], *, workers: int, progress: Progress, ray_add
 _progress_queue: Any = None
 
 
-def _start_worker(environment: dict[str, str], progress: Any) -> None:
+def _start_worker(environment: dict[str, str], progress: Any, packer: int) -> None:
     """A pool process sees the namespace, agent and stores of the process that started the pack,
-    whatever environment the start method gave it."""
+    whatever environment the start method gave it, and ends with that process."""
     global _progress_queue
     os.environ.clear()
     os.environ.update(environment)
     _progress_queue = progress
+    _end_with(packer)
+
+
+def _end_with(pid: int) -> None:
+    """Exit when process `pid` does. A pack killed (SIGTERM from a scheduler or `timeout`,
+    kill -9) otherwise left its pool processes waiting for tasks for ever, holding its caller's
+    output open (a CI step that waits for it hung) and the namespace's database."""
+    try:
+        watched = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone already
+        os._exit(1)
+    except OSError:  # a kernel before 5.3: no watch
+        return
+
+    def watch() -> None:
+        select.select([watched], [], [])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="gpufeed-pack-parent", daemon=True).start()
 
 
 _process_buffers = ShardBuffers()
@@ -200,7 +220,8 @@ def _in_processes(tasks: Sequence[ShardTask], workers: int, progress: Progress) 
     listener.start()
     try:
         environment = dict(os.environ)
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(environment, done)) as pool:
+        starting = (environment, done, os.getpid())
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=starting) as pool:
             futures = [pool.submit(_pooled_shard, task) for task in tasks]
             try:
                 return [future.result() for future in futures]
