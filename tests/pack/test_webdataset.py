@@ -11,6 +11,7 @@ import pytest
 import gpufeed
 from gpufeed.client.connection import AgentClient
 from gpufeed.config import Settings
+from gpufeed.errors import PackError
 from gpufeed.namespace import Namespace
 from tests.conftest import Bucket
 
@@ -86,3 +87,19 @@ def test_tars_in_folders_keep_their_folder(bucket: Bucket) -> None:
     assert listed == ["/splits/readme.txt", "/splits/train/000000.cls", "/splits/train/000000.jpg",
                       "/splits/val/000000.cls", "/splits/val/000000.jpg"]
     assert (gpufeed.read("/splits/train/000000.jpg"), gpufeed.read("/splits/val/000000.jpg")) == (b"train", b"val")
+
+
+def test_a_tar_with_a_damaged_header_part_way_is_refused_not_cut_short(bucket: Bucket) -> None:
+    """tarfile takes a damaged header after the first for the end of the archive: the tar mounted
+    with the members before it, and the rest were silently gone from training."""
+    members = {f"{n:06d}.jpg": bytes([n]) * 700 for n in range(40)}
+    whole = shard(members)
+    damaged = bytearray(whole)
+    header = whole.index(b"000020.jpg")  # its header starts with its name
+    damaged[header + 148 : header + 156] = b"0000000\0"  # its checksum, now wrong
+    bucket.put("damaged/shard.tar", bytes(damaged))
+    bucket.put("whole/shard.tar", whole + bytes(2048))  # more end-of-archive zeros than tarfile writes: fine
+    Namespace().add_mount("/whole", f"{bucket.url}/whole", {"endpoint": bucket.endpoint, "format": "webdataset"})
+    assert len(list(gpufeed.walk("/whole"))) == 40
+    with pytest.raises(PackError, match=r"damaged/shard.tar: not a readable tar \(a damaged header at byte [\d,]+ of"):
+        Namespace().add_mount("/damaged", f"{bucket.url}/damaged", {"endpoint": bucket.endpoint, "format": "webdataset"})

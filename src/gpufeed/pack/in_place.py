@@ -83,6 +83,7 @@ def tar_members(source: Source, tar: ObjectInfo, dangling: list[str]) -> Iterato
                 elif member.issym():  # relative to the link's folder
                     links[name] = posixpath.normpath(posixpath.join(posixpath.dirname(name), member.linkname))
                     files.pop(name, None)
+            _check_tail(reader, archive.offset)
     except tarfile.TarError as exc:
         raise PackError(f"{source.url}/{tar.key}: not a readable tar ({exc})") from None
     for name, target in links.items():
@@ -95,6 +96,20 @@ def tar_members(source: Source, tar: ObjectInfo, dangling: list[str]) -> Iterato
         else:
             dangling.append(f"{tar.key}/{name}")
     yield from sorted(files.values(), key=lambda member: member[1])
+
+
+def _check_tail(reader: _Ranged, end: int) -> None:
+    """What follows the last header tarfile read must be the end-of-archive zeros: tarfile takes
+    a damaged header after the first for the end, and the members after it were silently lost
+    (a sixth of a shard's samples gone from training)."""
+    rest = reader.size - end
+    if rest > 2 * tarfile.RECORDSIZE:  # more than the end blocks and a record's padding
+        tail = b"data"
+    else:
+        reader.seek(end)
+        tail = reader.read(rest) or b""
+    if tail.strip(b"\0"):
+        raise tarfile.TarError(f"a damaged header at byte {end:,} of {reader.size:,}: the members after it cannot be found")
 
 
 def mds(source: Source) -> Iterator[list[ObjectInfo]]:
