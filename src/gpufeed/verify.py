@@ -89,7 +89,9 @@ class Listed:
 
 
 def listed(client: Client, path: str) -> Listed:
-    generations = {m.path: m.generation for m in client.namespace.mounts(fresh=True)}
+    mounts = client.namespace.mounts(fresh=True)
+    client.namespace.tables.check_hashes(mounts)
+    generations = {m.path: m.generation for m in mounts}
     return Listed(list(client.walk(path)), generations)
 
 

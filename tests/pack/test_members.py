@@ -118,6 +118,20 @@ def test_a_node_without_the_table_rebuilds_it_from_the_pinned_index(
     assert Client().read("/p/train/dogs/2.jpg") == b"changed"
 
 
+def test_verify_rebuilds_a_table_whose_hashes_are_damaged_and_does_not_blame_the_store(tmp_path: Path, dataset: Path) -> None:
+    """Opening a table leaves its members' sha256 unchecked (only verify reads them): a damaged
+    copy made verify report an intact shard's member as changed at the store, on every rerun."""
+    _, tables = mounted_pack(tmp_path, dataset)
+    (saved,) = tables.iterdir()
+    hashes = np.load(saved / "sha256.npy")
+    damaged = hashes.copy()
+    damaged[-1, 0] ^= 5
+    np.save(saved / "sha256.npy", damaged)
+    out = ok("verify", "/p")
+    assert out.endswith("8 matched, 0 mismatched\n"), out
+    assert np.array_equal(np.load(saved / "sha256.npy"), hashes), "built again from the index"
+
+
 def test_a_home_that_cannot_hold_tables_keeps_them_in_the_process(tmp_path: Path, dataset: Path) -> None:
     ns, tables = mounted_pack(tmp_path, dataset)
     shutil.rmtree(tables)

@@ -66,6 +66,16 @@ class MemberTables:
             return
         shutil.rmtree(self.dir / name, ignore_errors=True)
 
+    def check_hashes(self, mounts: list[Mount]) -> None:
+        """Before `verify` reads members' sha256: each of `mounts`' saved tables with a damaged
+        sha256 column is removed, and built again when next opened."""
+        from gpufeed.pack.members import drop_if_hashes_damaged
+
+        for mount in mounts:
+            name = self.name(mount)
+            if name is not None and drop_if_hashes_damaged(self.dir / name):
+                self._open.pop(mount.path, None)
+
     def _index_row(self, mount: Mount) -> Entry | None:
         """The manifest row of a gpufeed-pack mount's index, whose content hash names its member table."""
         if mount.options.get("format") != "gpufeed-pack":
