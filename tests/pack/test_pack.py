@@ -214,6 +214,18 @@ def test_a_pack_served_over_http_without_its_format_is_named(nginx: HttpServer, 
     assert gpufeed.read("/p/train/dogs/2.jpg") == (dataset / "train" / "dogs" / "2.jpg").read_bytes()
 
 
+def test_a_pack_on_a_web_server_that_lists_nothing_mounts_from_its_index(tmp_path: Path, dataset: Path) -> None:
+    """A static host (HTML directory pages, or none) has no JSON index; a pack needs none: its
+    index names the shards."""
+    from gpufeed.bench.server import serving
+
+    ok("mount", "add", "/data", f"file://{dataset}")
+    ok("pack", "/data", f"file://{tmp_path}/www/packed")
+    with serving(tmp_path / "www", tmp_path / "nginx", index="html") as url:
+        ok("mount", "add", "/p", f"{url}/packed", "--opt", "format=gpufeed-pack")
+        assert gpufeed.read("/p/train/dogs/2.jpg") == (dataset / "train" / "dogs" / "2.jpg").read_bytes()
+
+
 def test_a_file_changed_since_its_listing_stops_the_pack_in_one_line(tmp_path: Path, dataset: Path) -> None:
     Namespace().add_mount("/data", f"file://{dataset}")
     (dataset / "train" / "dogs" / "1.jpg").write_bytes(b"longer than it was listed" * 100)

@@ -19,7 +19,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpufeed.errors import InvalidArgument, ObjectChanged, ObjectMissing, PackError, SourceError, SourceUnreachable
+from gpufeed.errors import (
+    InvalidArgument,
+    NoDirectoryIndex,
+    ObjectChanged,
+    ObjectMissing,
+    PackError,
+    SourceError,
+    SourceUnreachable,
+)
 from gpufeed.pack import in_place
 from gpufeed.pack.layout import DIR, FORMATS, INDEX_KEY, shard_row
 from gpufeed.sources.base import ObjectInfo, Source
@@ -73,11 +81,14 @@ def pack_rows(source: Source) -> tuple[list[ObjectInfo], MemberTable]:
     it again from that row on any node); the members are in the table, not in rows. A listing
     that does not show the pack's directory (nginx's index hides dot directories) is made up by
     a HEAD of the index and of each shard it names, so a pack served from a web server's
-    directory mounts without a listing file."""
+    directory mounts without a listing file, as does one on a host that lists nothing."""
     from gpufeed.pack import index as idx  # numpy: only a pack's mount loads it
     from gpufeed.pack.members import MemberTable
 
-    objects = {info.key: info for batch in source.list() for info in batch if info.key.startswith(DIR + "/")}
+    try:
+        objects = {info.key: info for batch in source.list() for info in batch if info.key.startswith(DIR + "/")}
+    except NoDirectoryIndex:  # a static host: the index names the rest
+        objects = {}
     where = f"{source.url}/{INDEX_KEY}"
     found = objects.get(INDEX_KEY) or (_heads(source, [INDEX_KEY]).get(INDEX_KEY) if not objects else None)
     if found is None:

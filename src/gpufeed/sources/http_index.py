@@ -21,7 +21,7 @@ import msgspec
 
 from gpufeed.aio import blocking_runner, gather_all
 from gpufeed.config import Settings
-from gpufeed.errors import PathNotFound, SourceError, SourceUnreachable
+from gpufeed.errors import NoDirectoryIndex, PathNotFound, SourceError, SourceUnreachable
 from gpufeed.sources import retry
 from gpufeed.sources.base import ObjectInfo
 from gpufeed.sources.retry import Retryable
@@ -100,7 +100,7 @@ async def _index_page_once(session: aiohttp.ClientSession, url: str) -> list[Ind
             if response.status >= 500:
                 raise Retryable("server error", SourceError(f"{url}: HTTP {response.status} {response.reason}"))
             if response.status >= 400:
-                raise SourceError(f"{url}: HTTP {response.status} {response.reason}")
+                raise NoDirectoryIndex(f"{url}: HTTP {response.status} {response.reason}")
             body = await response.read()
             says_json = "json" in response.content_type
     except aiohttp.ClientPayloadError as exc:
@@ -116,7 +116,7 @@ async def _index_page_once(session: aiohttp.ClientSession, url: str) -> list[Ind
             raise Retryable("broken response body", garbled) from None
         page = None
     if not isinstance(page, list):
-        raise SourceError(
+        raise NoDirectoryIndex(
             f"{url}: the server does not serve a JSON directory index; "
             "give a listing file with --list FILE (or --opt list=FILE)"
         )
