@@ -148,6 +148,17 @@ def test_rerun_is_a_noop_and_order_is_followed(bucket: Bucket, tmp_path: Path) -
     assert paths[:2] == ["train/c6/img_0027.jpg", "train/c0/img_0000.jpg"] and sorted(paths) == sorted(raw)
 
 
+def test_an_order_file_names_files_as_written_and_skips_comments(tmp_path: Path, dataset: Path) -> None:
+    (dataset / "#first.txt").write_bytes(b"1")
+    (dataset / "trail ").write_bytes(b"2")
+    Namespace().add_mount("/data", f"file://{dataset}")
+    order = tmp_path / "order.txt"
+    order.write_text("# the two odd names first\n#first.txt\n\ntrail \n  /data/README  \n")
+    files = packer.members(Client(), "/data", order)
+    assert [path for path, _ in files[:3]] == ["#first.txt", "trail ", "README"]
+    assert len(files) == 10
+
+
 def test_kill_during_pack_then_rerun_gives_the_same_index(bucket: Bucket, tmp_path: Path) -> None:
     (tmp_path / "src").mkdir()
     rng = random.Random(4)

@@ -63,12 +63,16 @@ def members(client: Client, nspath: str, order: Path | None) -> list[tuple[str, 
         lines = order.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"--order {order}: {exc}") from None
+    def relative(name: str) -> str:
+        return name[len(base) :] if name.startswith(base) else name.lstrip("/")
+
     chosen: dict[str, FileStat] = {}
     for number, line in enumerate(lines, 1):
-        name = line.strip()
-        if not name or name.startswith("#"):
-            continue
-        name = name[len(base) :] if name.startswith(base) else name.lstrip("/")
+        name = relative(line)  # as written: a name may start with '#' or end in a space
+        if name not in files:
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue  # a blank line, or a comment
+            name = relative(line.strip())
         if name not in files:
             raise InvalidArgument(f"--order {order}:{number}: {name!r} is not a file under {nspath}")
         chosen[name] = files[name]
