@@ -203,6 +203,14 @@ def test_bad_inputs_one_line(bucket: Bucket, tmp_path: Path, dataset: Path) -> N
     assert not (tmp_path / "p1").exists() and not (tmp_path / "p2").exists(), "a pack that failed leaves no empty destination"
     inside = fails(2, "pack", "/data/train", f"{dataset}/packed")  # the next pack of /data would pack it again
     assert f"file://{dataset}/packed: inside the source of /data (file://{dataset})" in inside
+    (tmp_path / "link").symlink_to(dataset)
+    inside = fails(2, "pack", "/data/train", f"{tmp_path}/link/packed")  # the same place, through a link
+    assert f"file://{tmp_path}/link/packed: inside the source of /data (file://{dataset})" in inside
+    (tmp_path / "other").mkdir()
+    ok("mount", "add", "/other", f"file://{tmp_path}/other", "--allow-empty")
+    warned = subprocess.run([sys.executable, "-m", "gpufeed", "pack", "/data", f"{tmp_path}/other/packed"],
+                            capture_output=True, text=True, check=True).stderr
+    assert f"inside the source of mount /other (file://{tmp_path}/other): its next refresh lists the pack's" in warned
     ok("pack", "/data", f"file://{tmp_path}/p3")
     (tmp_path / "p3" / INDEX_KEY).write_bytes(b"GFPACK\x00\x01garbage")
     line = fails(1, "mount", "add", "/p3", f"file://{tmp_path}/p3")

@@ -13,6 +13,8 @@ over unchanged input finds an index with the same digest and does nothing.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +31,8 @@ from gpufeed.pack.shards import run as shards_run
 from gpufeed.paths import FileStat, normalize
 from gpufeed.sources import Source, open_source
 from gpufeed.sources.stores import local_path
+
+log = logging.getLogger("gpufeed")
 
 
 @dataclass
@@ -138,17 +142,28 @@ class Plan:
 
 def _outside_sources(client: Client, nspath: str, dest: Source) -> None:
     """A pack written under the source it packs would be listed by the source's next refresh,
-    and packed again by the next pack of `nspath`: refused."""
+    and packed again by the next pack of `nspath`: refused. One written under another mount's
+    source is said in a warning: that mount's next refresh lists the pack's files among its own."""
     path = normalize(nspath)
+    where = _place(dest)
     for mount in client.namespace.mounts():
-        if not (mount.path.startswith(path.rstrip("/") + "/") or f"{path}/".startswith(f"{mount.path}/")):
-            continue
         source = client.namespace.source(mount)
-        if f"{dest.url}/".startswith(f"{source.url}/") and getattr(dest, "endpoint", None) == getattr(source, "endpoint", None):
+        same_store = getattr(dest, "endpoint", None) == getattr(source, "endpoint", None)
+        if not same_store or not f"{where}/".startswith(f"{_place(source)}/"):
+            continue
+        if mount.path.startswith(path.rstrip("/") + "/") or f"{path}/".startswith(f"{mount.path}/"):
             raise InvalidArgument(
                 f"{dest.url}: inside the source of {mount.path} ({source.url}); a pack there would be packed again by the "
                 f"next pack of {path}: write it elsewhere"
             )
+        log.warning("%s: inside the source of mount %s (%s): its next refresh lists the pack's %s/ among its files",
+                    dest.url, mount.path, source.url, DIR)
+
+
+def _place(source: Source) -> str:
+    """Where a source's objects lie, to compare two: a local directory with its links resolved."""
+    root = getattr(source, "root", None)
+    return f"file://{os.path.realpath(root)}" if isinstance(root, str) else source.url
 
 
 def prepare(client: Client, nspath: str, dest: Source, *, shard_size: int, order: Path | None = None) -> Plan:
