@@ -212,6 +212,10 @@ def test_bad_inputs_one_line(bucket: Bucket, tmp_path: Path, dataset: Path) -> N
                             capture_output=True, text=True, check=True).stderr
     assert f"inside the source of mount /other (file://{tmp_path}/other): its next refresh lists the pack's" in warned
     ok("pack", "/data", f"file://{tmp_path}/p3")
+    staged = next((tmp_path / "p3" / DIR / "shards").iterdir()).with_suffix(".gfp#7")  # as a killed pack leaves one
+    staged.write_bytes(b"half a shard")
+    assert "up to date" in ok("pack", "/data", f"file://{tmp_path}/p3")
+    assert not staged.exists(), "the pack that completed removed it"
     (tmp_path / "p3" / INDEX_KEY).write_bytes(b"GFPACK\x00\x01garbage")
     line = fails(1, "mount", "add", "/p3", f"file://{tmp_path}/p3")
     assert "corrupt pack index" in line and INDEX_KEY in line

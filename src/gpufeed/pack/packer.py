@@ -13,6 +13,8 @@ over unchanged input finds an index with the same digest and does nothing.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import logging
 import os
 import threading
@@ -252,6 +254,11 @@ def _remove_stale(job: Plan, present: dict[str, int]) -> int:
         key for key in job.existing if key.startswith(SHARDS_DIR + "/") and key not in named and key in present
     )
     job.dest.delete(stale)
+    root = getattr(job.dest, "root", None)
+    if isinstance(root, str):  # a killed run's half-written shards: a local store writes KEY#N, renames it, lists neither
+        for staged in glob.glob(os.path.join(glob.escape(root), SHARDS_DIR, "*#*")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)
     return sum(1 for key in stale if not key.endswith((SUMS_SUFFIX, ".sha256")))  # .sha256: version 1's sums
 
 
