@@ -214,7 +214,7 @@ def test_bad_inputs_one_line(bucket: Bucket, tmp_path: Path, dataset: Path) -> N
     ok("pack", "/data", f"file://{tmp_path}/p3")
     staged = next((tmp_path / "p3" / DIR / "shards").iterdir()).with_suffix(".gfp#7")  # as a killed pack leaves one
     staged.write_bytes(b"half a shard")
-    assert "up to date" in ok("pack", "/data", f"file://{tmp_path}/p3")
+    assert "up to date (8 files in 1 shard) with /data as listed at " in ok("pack", "/data", f"file://{tmp_path}/p3")
     assert not staged.exists(), "the pack that completed removed it"
     (tmp_path / "p3" / INDEX_KEY).write_bytes(b"GFPACK\x00\x01garbage")
     line = fails(1, "mount", "add", "/p3", f"file://{tmp_path}/p3")

@@ -17,6 +17,7 @@ from gpufeed.cli.progress import Meter
 from gpufeed.config import human_bytes, parse_size
 
 if TYPE_CHECKING:
+    from gpufeed.client import Client
     from gpufeed.pack.packer import Packed
 
 
@@ -68,7 +69,7 @@ def pack(
         return
     if done.up_to_date:
         files, shards = counted(done.files, "file"), counted(done.shards, "shard")
-        out.print(f"{dest}: up to date ({files} in {shards}{removed(done)})", highlight=False)
+        out.print(f"{dest}: up to date ({files} in {shards}{removed(done)}){_as_listed(client, job.nspath)}", highlight=False)
         return
     out.print(
         f"packed {counted(done.files, 'file')}, {human_bytes(done.bytes)} from {job.nspath} into {dest}: "
@@ -76,6 +77,15 @@ def pack(
         f"({done.written} written, {done.kept} kept from an earlier run{removed(done)}) in {seconds:.1f} s",
         highlight=False,
     )
+
+
+def _as_listed(client: Client, nspath: str) -> str:
+    """The pack follows the manifest, not the store: files added since the listing are not in it."""
+    where = client.namespace.resolve(nspath)
+    if where is None or not where.mount.listed_at:
+        return ""
+    listed = time.strftime("%Y-%m-%d %H:%M", time.localtime(where.mount.listed_at))
+    return f" with {where.mount.path} as listed at {listed} (files added since: gpufeed mount refresh {where.mount.path})"
 
 
 def removed(done: Packed) -> str:
