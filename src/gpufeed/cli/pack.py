@@ -85,7 +85,8 @@ def _as_listed(client: Client, nspath: str) -> str:
     if where is None or not where.mount.listed_at:
         return ""
     listed = time.strftime("%Y-%m-%d %H:%M", time.localtime(where.mount.listed_at))
-    return f" with {where.mount.path} as listed at {listed} (files added since: gpufeed mount refresh {where.mount.path})"
+    path = where.mount.path
+    return f" with {path} as listed at {listed} (files added since: run gpufeed mount refresh {path} first)"
 
 
 def removed(done: Packed) -> str:
