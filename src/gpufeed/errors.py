@@ -69,6 +69,11 @@ class SourceUnreachable(SourceError, ConnectionError):
     code = "source_unreachable"
 
 
+class SourceDown(SourceUnreachable):
+    """Not tried: a call found the store unreachable through all its retries moments ago
+    (`sources.retry`); a caller that counts its own tries (an upload) does not count this one."""
+
+
 class NoDirectoryIndex(SourceError):
     """An HTTP server answers a directory's URL with no JSON index (an HTML page, 403, 404): a
     static host. What needs no listing (a pack, whose index names its shards) reads on."""

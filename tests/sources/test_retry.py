@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gpufeed.config import Settings
-from gpufeed.errors import ObjectChanged, ObjectMissing, SourceError, SourceUnreachable
+from gpufeed.errors import ObjectChanged, ObjectMissing, SourceDown, SourceError, SourceUnreachable
 from gpufeed.namespace import Namespace
 from gpufeed.sources import open_source, retry
 from gpufeed.sources.base import ObjectInfo, Source
@@ -122,6 +122,29 @@ def test_a_store_unreachable_through_a_calls_retries_fails_the_next_calls_at_onc
     monkeypatch.setattr(retry, "DOWN_PROBE_S", 3600.0)
     s3_proxy.plan(["reset"] * 6, match="/obj")
     assert bytes(source.get_range("obj", 100, 5000)) == DATA[100:5000], "it answered: retried in full again"
+
+
+def test_a_store_that_answers_other_calls_is_not_marked_down_and_a_probe_that_gets_somewhere_retries() -> None:
+    policy = RetryPolicy("somewhere", timeout=5.0, base=0.0)
+    unreachable = SourceUnreachable("somewhere: timed out")
+
+    def slow_one() -> None:
+        policy.reached()  # another call got an answer while this one failed
+        raise Retryable("connection failure", unreachable)
+
+    with pytest.raises(SourceUnreachable):
+        call(policy, slow_one)
+    assert policy.down_since is None, "one slow request on a store that answers others"
+    with pytest.raises(SourceUnreachable):
+        call(policy, lambda: (_ for _ in ()).throw(Retryable("connection failure", unreachable)))
+    assert policy.down_since is not None
+    policy.probe_at = 0.0
+    probe = policy.begin()
+    with pytest.raises(SourceDown):
+        policy.begin()  # one probe at a time
+    probe.progress()  # its first page came: a listing goes on with every retry
+    probe.failed(Retryable("connection failure", unreachable))
+    assert policy.down_since is None and policy.begin().attempts == 5
 
 
 def test_backoff_is_jittered_and_capped() -> None:

@@ -245,12 +245,13 @@ class Uploads:
                 stored = await source.put_file_async(upload.info.key, str(self._data(upload.upload_id)))  # type: ignore[attr-defined]
                 break
             except errors.GpufeedError as exc:
-                upload.failures += 1
-                upload.failed_at = [*upload.failed_at[1 - SYNC_GIVES_UP_AFTER :], time.time()]
-                upload.last_error = exc
-                if upload.failures == 1 or upload.failures % 10 == 0:
-                    log.warning("upload of %s failed (attempt %d, retrying in %.1f s): %s", upload.path, upload.failures,
-                                delay, exc)
+                if not isinstance(exc, errors.SourceDown):  # that one was not tried: not a try that failed
+                    upload.failures += 1
+                    upload.failed_at = [*upload.failed_at[1 - SYNC_GIVES_UP_AFTER :], time.time()]
+                    upload.last_error = exc
+                    if upload.failures == 1 or upload.failures % 10 == 0:
+                        log.warning("upload of %s failed (attempt %d, retrying in %.1f s): %s", upload.path,
+                                    upload.failures, delay, exc)
                 try:
                     await asyncio.wait_for(upload.retry.wait(), delay)
                 except TimeoutError:

@@ -215,10 +215,13 @@ class ObstoreSource:
                         last = chunk[-1]["path"]
                     attempts.progress()
                     yield [self._info(meta) for meta in chunk if not meta["path"].endswith("/")]
+                attempts.progress()  # an empty listing is an answer too
                 return
             except (obx.BaseError, OSError) as exc:
                 failure = self.failure(exc)
                 if not isinstance(failure, Retryable):
+                    if isinstance(failure, SourceError):
+                        retry.answered(self.retry, failure)
                     raise failure from exc
                 attempts.failed(failure)
 

@@ -9,9 +9,11 @@ raising `Retryable` with the error to raise once retries run out; anything else 
 changed, denied, invalid) passes straight through.
 
 A store that stays unreachable through a call's retries is marked down: until a call reaches it
-again, one call a second tries it once (no retries) and the others fail at once, so a training
-job or `md5sum *` over a dead store gets its errors in moments, not one retry budget per file
-(10,000 uncached files were hours of EIO). A blip shorter than the retry budget marks nothing.
+again, one call at a time, at most once a second, tries it once (no retries) and the others fail
+at once (`SourceDown`), so a training job or `md5sum *` over a dead store gets its errors in
+moments, not one retry budget per file (10,000 uncached files were hours of EIO). A blip
+shorter than the retry budget marks nothing, nor does a call that fails while others get
+answers.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
 
-from gpufeed.errors import SourceError, SourceUnreachable
+from gpufeed.errors import SourceDown, SourceError, SourceUnreachable
 
 T = TypeVar("T")
 
@@ -68,32 +70,40 @@ class RetryPolicy:
         self.warned: set[str] = set()
         self.down_since: float | None = None
         """When a call last ran out of retries on an unreachable store, none having reached it since."""
-        self.probed = 0.0
+        self.answered_at = 0.0
+        self.probe_at = 0.0
+        self.probing = False
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number `attempt` (1-based)."""
         return self.rng.uniform(0.0, min(self.cap, self.base * 2 ** (attempt - 1)))
 
     def begin(self) -> Attempts:
-        """A call's attempts; while the source is down (see the module doc), one attempt, once a
-        second, and SourceUnreachable at once for the calls in between."""
-        if self.down_since is None:
+        """A call's attempts; while the source is down (see the module doc), one attempt for one
+        call at a time, at most once a second, and SourceDown at once for the others. A probe
+        that never ends (its task cancelled) stops counting after the retry budget."""
+        down = self.down_since
+        if down is None:
             return Attempts(self, self.attempts)
         now = time.monotonic()
-        if now - self.probed < DOWN_PROBE_S:
-            raise SourceUnreachable(
-                f"{self.where}: cannot reach the store (no answer for {now - self.down_since:.0f} s; "
+        if now - self.probe_at < DOWN_PROBE_S or (self.probing and now - self.probe_at < self.timeout):
+            raise SourceDown(
+                f"{self.where}: cannot reach the store (no answer for {now - down:.0f} s; "
                 f"tried again every {DOWN_PROBE_S:g} s until it answers)"
             )
-        self.probed = now
+        self.probe_at, self.probing = now, True
         return Attempts(self, 1)
 
     def reached(self) -> None:
-        self.down_since = None
+        self.down_since, self.probing, self.answered_at = None, False, time.monotonic()
 
-    def unreachable(self) -> None:
-        if self.down_since is None:
-            self.down_since = self.probed = time.monotonic()
+    def unreachable(self, since: float) -> None:
+        """A call begun at `since` ran out of retries on an unreachable store: down, unless
+        another call got an answer meanwhile (a store slow for one request is not down)."""
+        now = time.monotonic()
+        self.probing, self.probe_at = False, now  # its last attempt was a try: the next one second on
+        if self.down_since is None and self.answered_at <= since:
+            self.down_since = now
 
     def note(self, failure: Retryable) -> None:
         """Warn the first time a retry of this source got past this kind of failure; later ones
@@ -116,11 +126,13 @@ class Attempts:
     def __init__(self, policy: RetryPolicy, attempts: int) -> None:
         self.policy = policy
         self.attempts = attempts
+        self.began = time.monotonic()
         self.recovered: list[Retryable] = []
         self._restart()
 
     def progress(self) -> None:
         self.policy.reached()
+        self.attempts = self.policy.attempts  # a probe that got somewhere (a listing's page) goes on as any call
         for failure in self.recovered:
             self.policy.note(failure)
         self.recovered.clear()
@@ -147,7 +159,7 @@ class Attempts:
         expected = took if unreachable else 0.0
         if self.count >= self.attempts or now + delay + expected > self.deadline:
             if unreachable:
-                self.policy.unreachable()
+                self.policy.unreachable(self.began)
             _give_up(failure)
         RETRIED[failure.kind] += 1
         self.recovered.append(failure)
@@ -164,7 +176,7 @@ def _give_up(failure: Retryable) -> NoReturn:
     raise failure.error from failure.__cause__
 
 
-def _answered(policy: RetryPolicy, error: SourceError) -> None:
+def answered(policy: RetryPolicy, error: SourceError) -> None:
     """A final error other than unreachable (not found, denied, changed): the store answered."""
     if not isinstance(error, SourceUnreachable):
         policy.reached()
@@ -179,7 +191,7 @@ def call(policy: RetryPolicy, attempt: Callable[[], T]) -> T:
         except Retryable as failure:
             attempts.failed(failure)
         except SourceError as error:
-            _answered(policy, error)
+            answered(policy, error)
             raise
         else:
             attempts.progress()
@@ -195,7 +207,7 @@ async def call_async(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]]) -
         except Retryable as failure:
             await attempts.failed_async(failure)
         except SourceError as error:
-            _answered(policy, error)
+            answered(policy, error)
             raise
         else:
             attempts.progress()
