@@ -99,16 +99,12 @@ def tar_members(source: Source, tar: ObjectInfo, dangling: list[str]) -> Iterato
 
 
 def _check_tail(reader: _Ranged, end: int) -> None:
-    """What follows the last header tarfile read must be the end-of-archive zeros: tarfile takes
-    a damaged header after the first for the end, and the members after it were silently lost
-    (a sixth of a shard's samples gone from training)."""
-    rest = reader.size - end
-    if rest > 2 * tarfile.RECORDSIZE:  # more than the end blocks and a record's padding
-        tail = b"data"
-    else:
-        reader.seek(end)
-        tail = reader.read(rest) or b""
-    if tail.strip(b"\0"):
+    """The block where tarfile stopped must be an end-of-archive block of zeros (or the object's
+    end): tarfile takes a damaged header after the first for the end, and the members after it
+    were silently lost (a sixth of a shard's samples gone from training). Whatever follows the
+    zeros (a record's padding, however big) is not read."""
+    reader.seek(end)
+    if (reader.read(tarfile.BLOCKSIZE) or b"").strip(b"\0"):
         raise tarfile.TarError(f"a damaged header at byte {end:,} of {reader.size:,}: the members after it cannot be found")
 
 
