@@ -75,8 +75,9 @@ class SourceDown(SourceUnreachable):
 
 
 class NoDirectoryIndex(SourceError):
-    """An HTTP server answers a directory's URL with no JSON index (an HTML page, 403, 404): a
-    static host. What needs no listing (a pack, whose index names its shards) reads on."""
+    """An HTTP server answers a directory's URL with no JSON index (an HTML page, a 4xx other than
+    404, which is PathNotFound): a static host. What needs no listing (a pack, whose index names
+    its shards) reads on."""
 
 
 class SourceAuthError(SourceError, PermissionError):

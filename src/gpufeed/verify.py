@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from gpufeed.errors import ObjectChanged, ObjectCorrupted, ObjectMissing, PathNotFound, SourceError
 from gpufeed.mount_options import is_writable
-from gpufeed.paths import since_listed
+from gpufeed.paths import normalize, since_listed
 from gpufeed.sources.base import ObjectInfo, Source, same_version
 
 if TYPE_CHECKING:
@@ -90,7 +90,9 @@ class Listed:
 
 def listed(client: Client, path: str) -> Listed:
     mounts = client.namespace.mounts(fresh=True)
-    client.namespace.tables.check_hashes(mounts)
+    root = normalize(path).rstrip("/")
+    under = [m for m in mounts if m.path.startswith(f"{root}/") or f"{root}/".startswith(f"{m.path}/")]
+    client.namespace.tables.check_hashes(under)
     generations = {m.path: m.generation for m in mounts}
     return Listed(list(client.walk(path)), generations)
 

@@ -3,7 +3,9 @@ through fsspec. Real moto S3 server, real `gpufeed` processes for the CLI contra
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import http.server
 import json
 import multiprocessing
 import os
@@ -13,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -247,6 +250,25 @@ def test_a_pack_on_a_web_server_that_lists_nothing_mounts_from_its_index(tmp_pat
     with serving(tmp_path / "www", tmp_path / "nginx", index="html") as url:
         ok("mount", "add", "/p", f"{url}/packed", "--opt", "format=gpufeed-pack")
         assert gpufeed.read("/p/train/dogs/2.jpg") == (dataset / "train" / "dogs" / "2.jpg").read_bytes()
+
+    class NoDirectories(http.server.SimpleHTTPRequestHandler):  # as S3 website hosting or GitHub Pages: 404
+        def send_head(self) -> Any:
+            if self.path.endswith("/"):
+                self.send_error(404)
+                return None
+            return super().send_head()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    handler = functools.partial(NoDirectories, directory=str(tmp_path / "www"))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            ok("mount", "add", "/p404", f"http://127.0.0.1:{server.server_address[1]}/packed", "--opt", "format=gpufeed-pack")
+            assert gpufeed.read("/p404/train/cats/1.jpg") == (dataset / "train" / "cats" / "1.jpg").read_bytes()
+        finally:
+            server.shutdown()
 
 
 def test_a_file_changed_since_its_listing_stops_the_pack_in_one_line(tmp_path: Path, dataset: Path) -> None:

@@ -25,6 +25,7 @@ from gpufeed.errors import (
     ObjectChanged,
     ObjectMissing,
     PackError,
+    PathNotFound,
     SourceError,
     SourceUnreachable,
 )
@@ -87,7 +88,7 @@ def pack_rows(source: Source) -> tuple[list[ObjectInfo], MemberTable]:
 
     try:
         objects = {info.key: info for batch in source.list() for info in batch if info.key.startswith(DIR + "/")}
-    except NoDirectoryIndex:  # a static host: the index names the rest
+    except (NoDirectoryIndex, PathNotFound):  # a static host (404 for directories too): the index names the rest
         objects = {}
     where = f"{source.url}/{INDEX_KEY}"
     found = objects.get(INDEX_KEY) or (_heads(source, [INDEX_KEY]).get(INDEX_KEY) if not objects else None)

@@ -32,6 +32,7 @@ from gpufeed.pack.shards import SUMS_SUFFIX, ShardTask, sums_key, sums_size
 from gpufeed.pack.shards import run as shards_run
 from gpufeed.paths import FileStat, normalize
 from gpufeed.sources import Source, open_source
+from gpufeed.sources.base import ObjectInfo
 from gpufeed.sources.stores import local_path
 
 log = logging.getLogger("gpufeed")
@@ -221,20 +222,19 @@ def pack(
     ]
     chunks = b"".join(sums[shard.number][32 * len(shard.members) :] for shard in shards)
     index = idx.build(job.digest, job.block_size, [(s.key, s.size) for s in shards], rows, chunks)
-    encoded = idx.encode(index)
-    dest.put(INDEX_KEY, encoded)
-    present = _published(job, len(encoded))
+    present = _published(job, dest.put(INDEX_KEY, idx.encode(index)))
     return Packed(len(items), job.bytes, len(shards), len(todo), len(done), False, INDEX_KEY, _remove_stale(job, present))
 
 
-def _published(job: Plan, index_size: int) -> dict[str, int]:
-    """The destination once the index is in place, checked to hold that index and every shard
-    it names. Two packs into one destination at once would break each other (each deletes what
-    the other wrote as stale, the last index wins): the loser fails here in one line instead
-    of saying "packed" over a pack missing shards."""
+def _published(job: Plan, index: ObjectInfo) -> dict[str, int]:
+    """The destination once the index is in place, checked to hold that index (`index`, as the
+    store reported it written) and every shard it names. Two packs into one destination at once
+    break each other (each deletes what the other wrote as stale, the last index wins): the
+    loser fails here in one line instead of saying "packed" over a pack missing shards."""
     present = _existing(job.dest)
     lost = [s.key for s in job.shards if present.get(s.key) != s.size]
-    if lost or present.get(INDEX_KEY) != index_size:
+    now = job.dest.head(INDEX_KEY)
+    if lost or (now.size, now.etag, now.mtime) != (index.size, index.etag, index.mtime):
         what = f"{len(lost)} of the shards its index names are gone ({lost[0]}...)" if lost else "its index was replaced"
         raise PackError(
             f"{job.dest.url}: the pack changed while it was written: {what}; another 'gpufeed pack' into this "
@@ -247,8 +247,9 @@ def _remove_stale(job: Plan, present: dict[str, int]) -> int:
     """Delete the shards (and their digests) at the destination that the published index does
     not name: an earlier pack's, or an interrupted run's over input that changed since. Only
     after the index is in place, so a crash leaves garbage, never a pack missing a shard; and
-    only what was there before this run began and is still there (`present`). A node that
-    still has the old index mounted reads what it cached, and is told to refresh for the rest."""
+    only what was there before this run began (so not what a pack running beside it wrote
+    since), counted if still there (`present`). A node that still has the old index mounted
+    reads what it cached, and is told to refresh for the rest."""
     named = {key for shard in job.shards for key in (shard.key, sums_key(shard.key))}
     stale = sorted(
         key for key in job.existing if key.startswith(SHARDS_DIR + "/") and key not in named and key in present

@@ -180,11 +180,14 @@ def _end_with(pid: int) -> None:
     """Exit when process `pid` does. A pack killed (SIGTERM from a scheduler or `timeout`,
     kill -9) otherwise left its pool processes waiting for tasks for ever, holding its caller's
     output open (a CI step that waits for it hung) and the namespace's database."""
+    pidfd_open = getattr(os, "pidfd_open", None)  # Linux only
+    if pidfd_open is None:
+        return
     try:
-        watched = os.pidfd_open(pid)
+        watched = pidfd_open(pid)
     except ProcessLookupError:  # gone already
         os._exit(1)
-    except OSError:  # a kernel before 5.3: no watch
+    except OSError:  # a kernel before 5.3, or a sandbox that forbids it: no watch
         return
 
     def watch() -> None:
