@@ -65,7 +65,7 @@ def test_sigterm_of_the_client_stops_the_job_frees_its_lease_and_exits_143(clust
     finally:
         client.kill()
     assert client.returncode == 143
-    assert err.strip() == "gpufeed: error: gpu run: terminated (SIGTERM): the job was stopped and its lease released"
+    assert err.strip() == "gpufeed: error: gpu run: terminated (SIGTERM): its request and job were ended"
     eventually(lambda: status("term")["leases"] == [], "the lease to be freed", timeout=30)
     eventually(lambda: not running("sleep\x00140.5\x00"), "the command to stop", timeout=30)
 

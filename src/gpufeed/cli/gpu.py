@@ -56,6 +56,8 @@ def run(
         if terminated:
             raise _terminated() from None
         raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the job is over: a SIGTERM now just ends this process
     if terminated:
         raise _terminated()
     if outcome.reason:
@@ -80,7 +82,7 @@ def _interrupt_on_sigterm() -> list[int]:
 
 
 def _terminated() -> PoolError:
-    stopped = PoolError("gpu run: terminated (SIGTERM): the job was stopped and its lease released")
+    stopped = PoolError("gpu run: terminated (SIGTERM): its request and job were ended")
     stopped.exit_code = 128 + signal.SIGTERM  # as a shell's command killed by it
     return stopped
 
