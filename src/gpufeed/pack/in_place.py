@@ -168,7 +168,7 @@ def litdata(source: Source) -> Iterator[list[ObjectInfo]]:
         keys = [chunk["filename"] for chunk in chunks]
         counts = [int(chunk["chunk_size"]) for chunk in chunks]
         leaves = len(config["data_format"])
-        refused = [f"{name}={config[name]}" for name in ("compression", "compression_level", "encryption") if config.get(name)]
+        refused = [f"{name}={config[name]}" for name in ("compression", "encryption") if config.get(name)]
         if config.get("item_loader", "PyTreeLoader") != "PyTreeLoader":
             refused.append(f"item_loader={config['item_loader']}")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
