@@ -173,6 +173,8 @@ def test_three_mounts_on_one_mountpoint_at_once_make_one_mount(tmp_path: Path, m
     assert fails(1, "fuse", str(mountpoint), "/other") == (
         f"gpufeed: error: {mountpoint}: a gpufeed mount is already there; stop it first with 'gpufeed fuse stop {mountpoint}'"
     )
+    elsewhere = {**os.environ, "GPUFEED_HOME": str(tmp_path / "another-home")}  # another user's, say: not this one's to stop
+    assert "mounted from another GPUFEED_HOME" in fails(1, "fuse", "stop", str(mountpoint), env=elsewhere)
     ok("fuse", "stop", str(mountpoint))
     assert mountpoint not in fuse_mounts.mounted()
 

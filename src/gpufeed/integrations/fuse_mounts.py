@@ -304,7 +304,11 @@ def stop(settings: Settings, mountpoint: Path) -> None:
     if mountpoint not in mounted():
         raise FuseError(f"{mountpoint}: no gpufeed mount there (see 'gpufeed fuse ls')")
     found = state(settings, mountpoint)
-    _unmount(mountpoint, lazy=is_dead(mountpoint))
+    dead = is_dead(mountpoint)
+    if found is None and not dead:  # its daemon writes its state before the mount appears
+        raise FuseError(f"{mountpoint}: mounted from another GPUFEED_HOME (no state of it under {settings.home}); "
+                        f"stop it with that home, or: fusermount3 -u {mountpoint}")
+    _unmount(mountpoint, lazy=dead)
     pid = found.get("pid") if found else None
     if isinstance(pid, int):
         wait_until(lambda: not alive(pid), STOP_TIMEOUT_S)
