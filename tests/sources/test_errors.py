@@ -222,6 +222,7 @@ def test_entries_no_key_can_name_are_skipped_with_one_warning(tmp_path: Path, ca
     os.symlink(src / "l1", src / "l2")
     os.symlink(tmp_path / "nowhere", src / "dangling")
     (src / "upload#3").write_bytes(b"an obstore upload part")
+    os.mkfifo(src / "sub" / "pipe")
     with open(os.fsencode(src / "sub") + b"/caf\xe9.txt", "wb") as odd:
         odd.write(b"x")
     with caplog.at_level(logging.WARNING, logger="gpufeed"):
@@ -229,10 +230,10 @@ def test_entries_no_key_can_name_are_skipped_with_one_warning(tmp_path: Path, ca
     assert (stats.files, stats.bytes) == (2, 6)
     assert sorted(info.path for info in Namespace().walk("/data")) == ["/data/ok.bin", "/data/sub/fine.bin"]
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warning.startswith(f"file://{src}: skipped 6 entries: "), warning
+    assert warning.startswith(f"file://{src}: skipped 7 entries: "), warning
     assert "new\\nline.bin (a control character)" in warning and "sub/caf\\xe9.txt (not UTF-8)" in warning
     assert "sub/loop (a symlink loop)" in warning and "l1 (a symlink loop)" in warning and "l2 (a symlink loop)" in warning
-    assert "dangling (a symlink that leads nowhere)" in warning
+    assert "dangling (a symlink that leads nowhere)" in warning and "sub/pipe (not a regular file)" in warning
     assert gpufeed.read("/data/sub/fine.bin") == b"fine"
 
 

@@ -143,6 +143,8 @@ class LocalSource(ObstoreSource):
                     if len(batch) >= LIST_CHUNK:
                         yield batch
                         batch = []
+                elif not stat.S_ISREG(st.st_mode):  # a FIFO, socket or device: no bytes to read as a file's
+                    skipped.append(f"{key} (not a regular file)")
         if batch:
             yield batch
         if skipped:
