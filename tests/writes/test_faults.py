@@ -101,6 +101,25 @@ def test_a_write_through_that_cannot_reach_the_store_says_the_write_is_kept(
     assert gpufeed.sync("/out") == 1 and stored(bucket, "through/a.bin") == b"abc"
 
 
+def test_an_upload_counts_only_the_tries_that_reached_for_the_store(
+    bucket: Bucket, moto_faults: FaultControl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store found unreachable is tried once a second at most (`sources.retry`); an upload's
+    turn in between is not a try, so `sync` still gives up after three that went to the store."""
+    monkeypatch.setenv("GPUFEED_RETRY_TIMEOUT", "0")  # no time for retries: a try is one request
+    writable_through(moto_faults, bucket)
+    moto_faults.configure(rates={"reset": 1.0}, path_filter="down/")
+    with pytest.raises(GpufeedError, match="written and kept on this node"):
+        with gpufeed.open("/out/down/a.bin", "wb", sync=True) as f:
+            f.write(b"abc")
+    moto_faults.configure(rates={"reset": 1.0}, path_filter="down/")  # counts afresh
+    with pytest.raises(WriteError, match="upload not done, still retried"):
+        gpufeed.sync("/out")
+    assert moto_faults.counts()["injected"]["reset"] >= 3, "three tries reached the store"
+    moto_faults.configure(rates={})
+    assert gpufeed.sync("/out") == 1 and stored(bucket, "down/a.bin") == b"abc"
+
+
 def test_a_503_and_reset_mix_still_lands_every_object_whole(bucket: Bucket, moto_faults: FaultControl) -> None:
     writable_through(moto_faults, bucket)
     moto_faults.configure(seed=7, rates={"503": 0.2, "reset": 0.1}, path_filter="mix/")
