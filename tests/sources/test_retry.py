@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gpufeed.config import Settings
-from gpufeed.errors import ObjectChanged, ObjectMissing, SourceDown, SourceError, SourceUnreachable
+from gpufeed.errors import ObjectChanged, ObjectMissing, PathNotFound, SourceDown, SourceError, SourceUnreachable
 from gpufeed.namespace import Namespace
 from gpufeed.sources import open_source, retry
 from gpufeed.sources.base import ObjectInfo, Source
@@ -145,6 +145,20 @@ def test_a_store_that_answers_other_calls_is_not_marked_down_and_a_probe_that_ge
     probe.progress()  # its first page came: a listing goes on with every retry
     probe.failed(Retryable("connection failure", unreachable))
     assert policy.down_since is None and policy.begin().attempts == 5
+
+    def cut_off() -> None:
+        raise KeyboardInterrupt  # a probe that ends without a result (its reader gone, its task cancelled)
+
+    with pytest.raises(SourceUnreachable):
+        call(policy, lambda: (_ for _ in ()).throw(Retryable("connection failure", unreachable)))
+    policy.probe_at = 0.0
+    with pytest.raises(KeyboardInterrupt):
+        call(policy, cut_off)
+    assert not policy.probing, "the next probe may go"
+    policy.probe_at = 0.0
+    with pytest.raises(PathNotFound):  # a 404 is an answer: no longer down
+        call(policy, lambda: (_ for _ in ()).throw(PathNotFound("somewhere/x: not found")))
+    assert policy.down_since is None
 
 
 def test_backoff_is_jittered_and_capped() -> None:

@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
 
-from gpufeed.errors import SourceDown, SourceError, SourceUnreachable
+from gpufeed.errors import GpufeedError, SourceDown, SourceUnreachable
 
 T = TypeVar("T")
 
@@ -92,7 +92,7 @@ class RetryPolicy:
                 f"tried again every {DOWN_PROBE_S:g} s until it answers)"
             )
         self.probe_at, self.probing = now, True
-        return Attempts(self, 1)
+        return Attempts(self, 1, probe=True)
 
     def reached(self) -> None:
         self.down_since, self.probing, self.answered_at = None, False, time.monotonic()
@@ -101,9 +101,12 @@ class RetryPolicy:
         """A call begun at `since` ran out of retries on an unreachable store: down, unless
         another call got an answer meanwhile (a store slow for one request is not down)."""
         now = time.monotonic()
-        self.probing, self.probe_at = False, now  # its last attempt was a try: the next one second on
         if self.down_since is None and self.answered_at <= since:
-            self.down_since = now
+            self.down_since = self.probe_at = now  # its last attempt was a try: the first probe one second on
+
+    def probe_over(self) -> None:
+        """The probe ended (answered, failed, or cancelled): the next may go one second on."""
+        self.probing, self.probe_at = False, time.monotonic()
 
     def note(self, failure: Retryable) -> None:
         """Warn the first time a retry of this source got past this kind of failure; later ones
@@ -123,16 +126,19 @@ class Attempts:
     error; `progress` says an attempt got somewhere: the failures before it are logged and, for
     a long call (a listing), the count restarts."""
 
-    def __init__(self, policy: RetryPolicy, attempts: int) -> None:
+    def __init__(self, policy: RetryPolicy, attempts: int, *, probe: bool = False) -> None:
         self.policy = policy
         self.attempts = attempts
+        self.probe = probe
         self.began = time.monotonic()
         self.recovered: list[Retryable] = []
         self._restart()
 
     def progress(self) -> None:
         self.policy.reached()
-        self.attempts = self.policy.attempts  # a probe that got somewhere (a listing's page) goes on as any call
+        if self.probe:  # a probe that got somewhere (a listing's page) goes on as any call
+            self.probe, self.attempts = False, self.policy.attempts
+        self.began = time.monotonic()  # what fails later fails since this answer
         for failure in self.recovered:
             self.policy.note(failure)
         self.recovered.clear()
@@ -160,10 +166,17 @@ class Attempts:
         if self.count >= self.attempts or now + delay + expected > self.deadline:
             if unreachable:
                 self.policy.unreachable(self.began)
+            self.over()
             _give_up(failure)
         RETRIED[failure.kind] += 1
         self.recovered.append(failure)
         return delay
+
+    def over(self) -> None:
+        """The call ends, however: a probe's end lets the next one go."""
+        if self.probe:
+            self.probe = False
+            self.policy.probe_over()
 
     def failed(self, failure: Retryable) -> None:
         time.sleep(self._next_delay(failure))
@@ -176,7 +189,7 @@ def _give_up(failure: Retryable) -> NoReturn:
     raise failure.error from failure.__cause__
 
 
-def answered(policy: RetryPolicy, error: SourceError) -> None:
+def answered(policy: RetryPolicy, error: GpufeedError) -> None:
     """A final error other than unreachable (not found, denied, changed): the store answered."""
     if not isinstance(error, SourceUnreachable):
         policy.reached()
@@ -185,30 +198,36 @@ def answered(policy: RetryPolicy, error: SourceError) -> None:
 def call(policy: RetryPolicy, attempt: Callable[[], T]) -> T:
     """`attempt()` until it returns, retrying what it raises as `Retryable`."""
     attempts = policy.begin()
-    while True:
-        try:
-            result = attempt()
-        except Retryable as failure:
-            attempts.failed(failure)
-        except SourceError as error:
-            answered(policy, error)
-            raise
-        else:
-            attempts.progress()
-            return result
+    try:
+        while True:
+            try:
+                result = attempt()
+            except Retryable as failure:
+                attempts.failed(failure)
+            except GpufeedError as error:
+                answered(policy, error)
+                raise
+            else:
+                attempts.progress()
+                return result
+    finally:
+        attempts.over()
 
 
 async def call_async(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]]) -> T:
     """`call` for coroutines: `attempt` makes a fresh awaitable each time."""
     attempts = policy.begin()
-    while True:
-        try:
-            result = await attempt()
-        except Retryable as failure:
-            await attempts.failed_async(failure)
-        except SourceError as error:
-            answered(policy, error)
-            raise
-        else:
-            attempts.progress()
-            return result
+    try:
+        while True:
+            try:
+                result = await attempt()
+            except Retryable as failure:
+                await attempts.failed_async(failure)
+            except GpufeedError as error:
+                answered(policy, error)
+                raise
+            else:
+                attempts.progress()
+                return result
+    finally:
+        attempts.over()
