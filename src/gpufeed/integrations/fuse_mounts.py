@@ -305,10 +305,11 @@ def stop(settings: Settings, mountpoint: Path) -> None:
         raise FuseError(f"{mountpoint}: no gpufeed mount there (see 'gpufeed fuse ls')")
     found = state(settings, mountpoint)
     dead = is_dead(mountpoint)
-    if found is None and not dead:  # its daemon writes its state before the mount appears
-        raise FuseError(f"{mountpoint}: mounted from another GPUFEED_HOME (no state of it under {settings.home}); "
+    pid = found.get("pid") if found else None
+    ours = isinstance(pid, int) and alive(pid)  # a state left by a killed daemon of this home is not the mount there now
+    if not ours and not dead:  # a daemon writes its state before its mount appears
+        raise FuseError(f"{mountpoint}: mounted from another GPUFEED_HOME (no daemon of {settings.home} serves it); "
                         f"stop it with that home, or: fusermount3 -u {mountpoint}")
     _unmount(mountpoint, lazy=dead)
-    pid = found.get("pid") if found else None
     if isinstance(pid, int):
         wait_until(lambda: not alive(pid), STOP_TIMEOUT_S)
