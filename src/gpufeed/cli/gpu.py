@@ -75,7 +75,8 @@ def _interrupt_on_sigterm() -> list[int]:
 
     def interrupt(signum: int, frame: Any) -> None:
         received.append(signum)
-        raise KeyboardInterrupt
+        if len(received) == 1:  # a second one, during the clean-up the first began, must not cut it short
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
     return received
