@@ -1,10 +1,11 @@
 """A forwarding proxy that spoils the next few responses on purpose, in a scripted order, so a
 test knows exactly which request failed how (the faults suite's proxy does the random mix).
 
-Faults: "503" (SlowDown), "reset" (close before answering), "truncate" (half the body, then
-close), "flip" (one byte of the body changed, at a random place), "flip0" (the first byte
-changed, the same way every time), "short" (half the body with a matching Content-Length, so
-only a length check can see it), and "ok" (passed through untouched)."""
+Faults: "503" (SlowDown), "502" (Bad Gateway, as a proxy in front of a stopped store answers),
+"reset" (close before answering), "truncate" (half the body, then close), "flip" (one byte of
+the body changed, at a random place), "flip0" (the first byte changed, the same way every
+time), "short" (half the body with a matching Content-Length, so only a length check can see
+it), and "ok" (passed through untouched)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-FAULTS = ("503", "reset", "truncate", "flip", "flip0", "short", "ok")
+FAULTS = ("503", "502", "reset", "truncate", "flip", "flip0", "short", "ok")
 
 
 @dataclass
@@ -84,6 +85,13 @@ def flaky_proxy(upstream: str) -> Iterator[Flaky]:
             if fault == "reset":
                 self.close_connection = True
                 self.connection.shutdown(2)
+                return
+            if fault == "502":
+                payload = b"<html><body><h1>502 Bad Gateway</h1></body></html>"
+                self.send_response(502, "Bad Gateway")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
                 return
             if fault == "503":
                 payload = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"

@@ -124,6 +124,24 @@ def test_a_store_unreachable_through_a_calls_retries_fails_the_next_calls_at_onc
     assert bytes(source.get_range("obj", 100, 5000)) == DATA[100:5000], "it answered: retried in full again"
 
 
+def test_a_gateway_error_from_a_proxy_in_front_of_a_store_is_unreachable(
+    bucket: Bucket, s3_proxy: Flaky, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ingress before a stopped MinIO answers 502: the store is unreachable, marked down as a
+    refused connection is, not retried in full by every call."""
+    monkeypatch.setenv("GPUFEED_RETRY_TIMEOUT", "60")
+    bucket.put("obj", DATA)
+    source = s3_source(bucket, s3_proxy)
+    s3_proxy.plan("502", match="/obj", forever=True)
+    with pytest.raises(SourceUnreachable, match=r"cannot reach the store \(a proxy in front of it answered 502 Bad Gateway\)"):
+        source.get_range("obj", 0, 4096)
+    monkeypatch.setattr(retry, "DOWN_PROBE_S", 3600.0)
+    asked = s3_proxy.count("GET", "/obj")
+    with pytest.raises(SourceDown):
+        source.get_range("obj", 0, 4096)
+    assert s3_proxy.count("GET", "/obj") == asked
+
+
 def test_a_store_that_answers_other_calls_is_not_marked_down_and_a_probe_that_gets_somewhere_retries() -> None:
     policy = RetryPolicy("somewhere", timeout=5.0, base=0.0)
     unreachable = SourceUnreachable("somewhere: timed out")

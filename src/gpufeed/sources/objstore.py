@@ -59,6 +59,9 @@ _XML_CODE = re.compile(r"<Code>([^<]*)</Code>")
 _XML_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 _STATUS = re.compile(r"status code: (\d{3} [A-Za-z ]+?)(?::|$)", re.MULTILINE)
 _SERVER_ERROR = re.compile(r"status code: 5\d\d|<Code>(SlowDown|InternalError|ServiceUnavailable)</Code>")
+_GATEWAY_ERROR = re.compile(r"status code: (502 Bad Gateway|504 Gateway Time-?out)")
+"""What a proxy in front of a store (an ingress before MinIO, a load balancer) answers when the
+store behind it is down or silent: the store is unreachable, as a refused connection says."""
 _BODY_ERRORS = ("response body", "error decoding", "invalid list response", "connection reset", "unexpected eof")
 _AUTH_CODES = ("403 Forbidden", "401 Unauthorized", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied")
 _MD5_HEX = re.compile(r"[0-9a-fA-F]{32}")
@@ -173,6 +176,8 @@ class ObstoreSource:
             )
         if _is_connection_failure(message) or isinstance(exc, (ConnectionError, TimeoutError)):
             return SourceUnreachable(f"{where}: cannot reach the store ({_unreachable_why(exc, message)})")
+        if gateway := _GATEWAY_ERROR.search(message):
+            return SourceUnreachable(f"{where}: cannot reach the store (a proxy in front of it answered {gateway[1]})")
         if any(code in message for code in _AUTH_CODES):
             return SourceAuthError(f"{where}: access denied ({message})")
         return SourceError(f"{where}: {message}")
