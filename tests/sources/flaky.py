@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 FAULTS = ("503", "502", "reset", "truncate", "flip", "flip0", "short", "ok")
+ERROR_ANSWERS = {
+    "502": (502, "Bad Gateway", b"<html><body><h1>502 Bad Gateway</h1></body></html>"),
+    "503": (503, "Slow Down", b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"),
+}
 
 
 @dataclass
@@ -86,16 +90,9 @@ def flaky_proxy(upstream: str) -> Iterator[Flaky]:
                 self.close_connection = True
                 self.connection.shutdown(2)
                 return
-            if fault == "502":
-                payload = b"<html><body><h1>502 Bad Gateway</h1></body></html>"
-                self.send_response(502, "Bad Gateway")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-                return
-            if fault == "503":
-                payload = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-                self.send_response(503, "Slow Down")
+            if fault in ERROR_ANSWERS:
+                status, reason, payload = ERROR_ANSWERS[fault]
+                self.send_response(status, reason)
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
