@@ -255,12 +255,18 @@ def _remove_stale(job: Plan, present: dict[str, int]) -> int:
         key for key in job.existing if key.startswith(SHARDS_DIR + "/") and key not in named and key in present
     )
     job.dest.delete(stale)
-    root = getattr(job.dest, "root", None)
-    if isinstance(root, str):  # a killed run's half-written shards: a local store writes KEY#N, renames it, lists neither
+    _remove_staged(job.dest)
+    return sum(1 for key in stale if not key.endswith((SUMS_SUFFIX, ".sha256")))  # .sha256: version 1's sums
+
+
+def _remove_staged(dest: Source) -> None:
+    """A killed run's half-written shards in a local dir: the store writes KEY#N and renames it,
+    and its listing shows neither, so `_remove_stale` cannot see them."""
+    root = getattr(dest, "root", None)
+    if isinstance(root, str):
         for staged in glob.glob(os.path.join(glob.escape(root), SHARDS_DIR, "*#*")):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(staged)
-    return sum(1 for key in stale if not key.endswith((SUMS_SUFFIX, ".sha256")))  # .sha256: version 1's sums
 
 
 class _Counts:
